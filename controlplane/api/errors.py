@@ -1,0 +1,26 @@
+"""Maps domain errors to HTTP answers once, for every API view."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from models_registry.capacity_report import CapacityUnknownError
+from models_registry.importers import ModelSourceError
+from models_registry.services import ModelConflictError
+
+
+class Conflict(exceptions.APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "conflict"
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    if isinstance(exc, ModelSourceError):
+        exc = exceptions.ValidationError({exc.field: [exc.message]})
+    elif isinstance(exc, ModelConflictError | CapacityUnknownError):
+        exc = Conflict(str(exc))
+    return drf_exception_handler(exc, context)

@@ -1,0 +1,197 @@
+"""One settings module: every knob comes from an environment variable.
+
+The embedded default (no variables set) runs on SQLite in DATA_DIR with the in-memory
+channel layer. Production (DEBUG=false) refuses to start without SECRET_KEY and
+ALLOWED_HOSTS. Every variable is listed in docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import django_stubs_ext
+
+from controlplane.envconfig import (
+    SettingError,
+    database_from_url,
+    env_bool,
+    env_choice,
+    env_int,
+    env_list,
+    env_path,
+    env_str,
+    redis_url,
+)
+
+# Lets the admin and forms be written with type parameters (ModelAdmin[Model]).
+django_stubs_ext.monkeypatch()
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+DEBUG = env_bool("DEBUG", True)
+DATA_DIR = env_path("DATA_DIR", BASE_DIR / "data")
+MODELS_DIR = env_path("MODELS_DIR", DATA_DIR / "models")
+
+_secret = env_str("SECRET_KEY")
+if not DEBUG and not _secret:
+    raise SettingError("SECRET_KEY must be set when DEBUG is false")
+if not DEBUG and len(_secret) < 50:
+    raise SettingError("SECRET_KEY must be at least 50 characters when DEBUG is false")
+# The embedded default has no secret to keep across restarts beyond sessions; a fixed
+# development key is acceptable there and refused in production above.
+SECRET_KEY = _secret or "django-insecure-embedded-default-key-do-not-use-in-production-0123456789"
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"] if DEBUG else [])
+if not DEBUG and not ALLOWED_HOSTS:
+    raise SettingError("ALLOWED_HOSTS must be set when DEBUG is false")
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "channels",
+    "models_registry",
+    "serving",
+    "controlplane",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+ASGI_APPLICATION = "controlplane.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+_database_url = env_str("DATABASE_URL")
+if _database_url:
+    DATABASES = {"default": database_from_url("DATABASE_URL", _database_url)}
+else:
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": DATA_DIR / "db.sqlite3",
+            # Several threads (the ASGI server, importers) share this file.
+            "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+        }
+    }
+if not DEBUG and str(DATABASES["default"]["ENGINE"]).endswith("sqlite3") and not env_bool(
+    "ALLOW_SQLITE_IN_PRODUCTION", False
+):
+    raise SettingError(
+        "DEBUG is false but no DATABASE_URL is set: production needs PostgreSQL "
+        "(set ALLOW_SQLITE_IN_PRODUCTION=true to override for a single-node trial)"
+    )
+
+REDIS_URL = redis_url("REDIS_URL")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "registry"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = env_str("TIME_ZONE", "UTC")
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = env_path("STATIC_ROOT", DATA_DIR / "static")
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "serving.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["serving.authentication.IsAdmin"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "controlplane.api.errors.exception_handler",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Fleetplane API",
+    "DESCRIPTION": "REST API of the Fleetplane control plane for vLLM fleets.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
+
+# Model registry: whether importers may contact the Hugging Face Hub for metadata.
+HUB_ACCESS = env_bool("HUB_ACCESS", False)
+HF_ENDPOINT = env_str("HF_ENDPOINT", "https://huggingface.co")
+HUB_TIMEOUT_SECONDS = env_int("HUB_TIMEOUT_SECONDS", 10, minimum=1, maximum=300)
+
+# The ASGI server of `manage.py serve`.
+SERVE_HOST = env_str("HOST", "127.0.0.1")
+SERVE_PORT = env_int("PORT", 8000, minimum=1, maximum=65535)
+
+LOG_LEVEL = env_choice("LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR"))
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain",
+                             "stream": sys.stderr}},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {"django.db.backends": {"level": "INFO"}},
+}
+
+if not DEBUG:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", True)
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31536000, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+    SECURE_CONTENT_TYPE_NOSNIFF = True

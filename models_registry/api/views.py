@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from models_registry import services
+from models_registry.api.serializers import (
+    CapacityEstimateSerializer,
+    CapacityQuerySerializer,
+    ModelCreateSerializer,
+    ModelSerializer,
+)
+from models_registry.capacity_report import model_capacity
+from models_registry.models import Model
+
+
+class ModelViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.DestroyModelMixin,
+    viewsets.GenericViewSet,
+):
+    """The model registry: list, inspect, register (and import), delete."""
+
+    queryset = Model.objects.all()
+    serializer_class = ModelSerializer
+    lookup_field = "name"
+    lookup_value_regex = "[-a-zA-Z0-9_]+"
+
+    @extend_schema(
+        request=ModelCreateSerializer,
+        responses={201: ModelSerializer, 202: ModelSerializer,
+                   400: OpenApiResponse(description="the field at fault, with the reason")},
+        description="Register a model. A local folder is ready at once (201); a GGUF file "
+        "is converted in the background (202: poll `status` and `progress`); a Hugging "
+        "Face id is recorded for backends that download at start (201).",
+    )
+    def create(self, request: Request, *args: object, **kwargs: object) -> Response:
+        query = ModelCreateSerializer(data=request.data)
+        query.is_valid(raise_exception=True)
+        data = query.validated_data
+        spec = services.ModelSpec(
+            name=data["name"], source=data["source"],
+            uri=data.get("hf_id") or data.get("path") or "",
+            display_name=data.get("display_name", ""), revision=data.get("revision", ""),
+            license=data.get("license", ""),
+        )
+        model = services.register_model(spec)
+        code = status.HTTP_202_ACCEPTED if model.status == Model.Status.IMPORTING else \
+            status.HTTP_201_CREATED
+        return Response(ModelSerializer(model).data, status=code)
+
+    def perform_destroy(self, instance: Model) -> None:
+        services.delete_model(instance)
+
+    @extend_schema(
+        parameters=[CapacityQuerySerializer],
+        responses={200: CapacityEstimateSerializer(many=True)},
+        description="How many tokens of KV cache, and how many concurrent sequences of "
+        "`sequence_length` tokens, fit in an accelerator. Without `memory_gib`: one "
+        "estimate for each preset (24, 80 and 141 GiB).",
+    )
+    @action(detail=True, methods=["get"])
+    def capacity(self, request: Request, name: str | None = None) -> Response:
+        query = CapacityQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        estimates = model_capacity(self.get_object(), **query.validated_data)
+        return Response([estimate.as_dict() for estimate in estimates])
