@@ -8,6 +8,7 @@ ALLOWED_HOSTS. Every variable is listed in docs/configuration.md.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import django_stubs_ext
@@ -143,6 +144,9 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = env_path("STATIC_ROOT", DATA_DIR / "static")
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
+# WhiteNoise hands Django's ASGI handler a file iterator; Django warns that it consumes it
+# in a thread. Static files are small and few; the warning would only fill the log.
+warnings.filterwarnings("ignore", message="StreamingHttpResponse must consume synchronous")
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

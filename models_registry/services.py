@@ -8,6 +8,7 @@ folder.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import tempfile
 import threading
@@ -17,7 +18,6 @@ from pathlib import Path
 
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
-from django.utils.text import slugify
 
 from models_registry import importers
 from models_registry.importers import ModelSourceError
@@ -48,10 +48,15 @@ def models_dir() -> Path:
     return path
 
 
+# Names end up in process names, URLs and Kubernetes object names: a DNS-1123 label.
+NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
 def validate_name(name: str) -> None:
-    if not name or slugify(name) != name or len(name) > 100:
+    if not NAME_PATTERN.match(name or ""):
         raise ModelSourceError(
-            "name", f"{name!r} is not a slug: use lower-case letters, digits and hyphens"
+            "name", f"{name!r} is not a slug: use 1 to 63 lower-case letters, digits and "
+            f"hyphens, starting and ending with a letter or digit"
         )
     if Model.objects.filter(name=name).exists():
         raise ModelSourceError("name", f"a model named {name!r} already exists")

@@ -73,7 +73,7 @@ def model_delete(request: HttpRequest, name: str) -> HttpResponse:
             services.delete_model(model)
         except services.ModelConflictError as exc:
             messages.error(request, str(exc))
-            return redirect("model-detail", name=name)
+            return redirect("model-page", name=name)
         messages.success(request, f"Model {name} deleted.")
         return redirect("registry")
-    return redirect("model-detail", name=name)
+    return redirect("model-page", name=name)

@@ -1,0 +1,64 @@
+"""Start-up checks, run as a user would: `manage.py` with environment variables."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCTION_KEY = "k" * 20 + "-production-secret-key-for-the-deploy-check-0123456789"
+
+
+def manage(*args: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in {"DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "DATABASE_URL",
+                                  "REDIS_URL", "DATA_DIR"}}
+    environment.update({"DATA_DIR": str(tmp_path / "data"), **env})
+    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=environment,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_embedded_default_needs_no_variables(tmp_path: Path) -> None:
+    result = manage("check", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "data").is_dir()
+
+
+def test_a_bad_value_stops_start_up_naming_the_variable(tmp_path: Path) -> None:
+    result = manage("check", tmp_path=tmp_path, PORT="http")
+    assert result.returncode == 2
+    assert "configuration error: PORT='http' is not an integer" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_production_refuses_to_start_without_a_secret_key(tmp_path: Path) -> None:
+    result = manage("check", tmp_path=tmp_path, DEBUG="false", ALLOWED_HOSTS="fleet.example")
+    assert result.returncode == 2
+    assert "SECRET_KEY must be set" in result.stderr
+
+
+def test_production_refuses_to_start_without_allowed_hosts(tmp_path: Path) -> None:
+    result = manage("check", tmp_path=tmp_path, DEBUG="false", SECRET_KEY=PRODUCTION_KEY)
+    assert result.returncode == 2
+    assert "ALLOWED_HOSTS must be set" in result.stderr
+
+
+def test_production_refuses_sqlite(tmp_path: Path) -> None:
+    result = manage("check", tmp_path=tmp_path, DEBUG="false", SECRET_KEY=PRODUCTION_KEY,
+                    ALLOWED_HOSTS="fleet.example")
+    assert result.returncode == 2
+    assert "production needs PostgreSQL" in result.stderr
+
+
+@pytest.mark.postgres
+def test_the_deploy_check_passes_in_production(tmp_path: Path) -> None:
+    result = manage("check", "--deploy", "--fail-level", "WARNING", tmp_path=tmp_path,
+                    DEBUG="false", SECRET_KEY=PRODUCTION_KEY, ALLOWED_HOSTS="fleet.example",
+                    DATABASE_URL="postgres://postgres@127.0.0.1:5432/test",
+                    REDIS_URL="redis://127.0.0.1:6379/0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no issues" in result.stdout
