@@ -10,6 +10,7 @@ setup:
 run: setup
 	@$(PY) manage.py migrate --noinput -v0
 	@$(PY) manage.py import_demo_model
+	@$(PY) manage.py ensure_demo_deployment
 	@$(PY) manage.py serve
 
 test: setup

@@ -57,6 +57,22 @@ def env_int(name: str, default: int, *, minimum: int | None = None,
     return number
 
 
+def env_float(name: str, default: float, *, minimum: float | None = None,
+              maximum: float | None = None) -> float:
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise SettingError(f"{name}={value!r} is not a number") from None
+    if minimum is not None and number < minimum:
+        raise SettingError(f"{name}={number:g} is below the minimum of {minimum:g}")
+    if maximum is not None and number > maximum:
+        raise SettingError(f"{name}={number:g} is above the maximum of {maximum:g}")
+    return number
+
+
 def env_list(name: str, default: list[str] | None = None) -> list[str]:
     value = _raw(name)
     if value is None:

@@ -1,13 +1,35 @@
-"""State changes of the control plane itself."""
+"""State changes of the control plane: accounts, backends, deployments.
+
+Each function validates, writes in one transaction, records an audit event, and asks the
+reconciler for a pass once the transaction has committed.
+"""
 
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
+from typing import Any
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
+from controlplane.backends.base import validate_backend_config
+from controlplane.controllers import request_reconcile
+from controlplane.engine_args import engine_args_misfit, validate_engine_args
+from controlplane.models import AuditEvent, Backend, Deployment
+from models_registry.models import Model
+
 LOCAL_ADMIN_USERNAME = "admin"
+
+
+class DeploymentError(ValueError):
+    """A request about a deployment cannot be carried out; `field` names the input."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
 
 
 @transaction.atomic
@@ -22,3 +44,180 @@ def ensure_local_admin() -> tuple[str, str | None]:
     password = secrets.token_urlsafe(12)
     users.objects.create_superuser(LOCAL_ADMIN_USERNAME, email="", password=password)
     return LOCAL_ADMIN_USERNAME, password
+
+
+def audit(actor: str, action: str, deployment: Deployment | None, message: str,
+          before: Any = None, after: Any = None) -> None:
+    AuditEvent.objects.create(actor=actor, action=action, deployment=deployment,
+                              message=message, before=before, after=after)
+
+
+def spec_of(deployment: Deployment) -> dict[str, Any]:
+    return {"model": deployment.model.name, "backend": deployment.backend.name,
+            "engine_args": deployment.engine_args, "replicas": deployment.replicas,
+            "min_replicas": deployment.min_replicas, "max_replicas": deployment.max_replicas,
+            "standby": deployment.standby, "state": deployment.state}
+
+
+@transaction.atomic
+def create_backend(name: str, kind: str, config: dict[str, Any], *, actor: str) -> Backend:
+    if Backend.objects.filter(name=name).exists():
+        raise DeploymentError("name", f"a backend named {name!r} already exists")
+    backend = Backend.objects.create(name=name, kind=kind,
+                                     config=validate_backend_config(kind, config))
+    audit(actor, "backend-created", None, f"backend {name} ({kind}) created",
+          after={"kind": kind, "config": redact(backend.config)})
+    return backend
+
+
+def redact(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: ("***" if k in {"api_key", "token"} and v else v) for k, v in config.items()}
+
+
+def check_counts(replicas: int, min_replicas: int, max_replicas: int) -> None:
+    if min_replicas > max_replicas:
+        raise DeploymentError("min_replicas", f"min_replicas ({min_replicas}) is above "
+                                              f"max_replicas ({max_replicas})")
+    if not min_replicas <= replicas <= max_replicas:
+        raise DeploymentError("replicas", f"{replicas} is outside min_replicas..max_replicas "
+                                          f"({min_replicas}..{max_replicas})")
+
+
+def check_model(model: Model, engine_args: dict[str, Any], backend: Backend) -> None:
+    if backend.kind == Backend.Kind.LOCAL and not model.is_ready():
+        raise DeploymentError("model", f"model {model.name} is {model.status}, not ready")
+    misfit = engine_args_misfit(engine_args, model)
+    if misfit:
+        field, message = next(iter(misfit.items()))
+        raise DeploymentError(f"engine_args.{field}", message)
+
+
+@dataclass
+class DeploymentSpec:
+    name: str
+    model: Model
+    backend: Backend
+    engine_args: dict[str, Any]
+    replicas: int = 1
+    min_replicas: int = 0
+    max_replicas: int = 4
+    standby: int = 0
+
+
+@transaction.atomic
+def create_deployment(spec: DeploymentSpec, *, actor: str) -> Deployment:
+    if Deployment.objects.filter(name=spec.name).exists():
+        raise DeploymentError("name", f"a deployment named {spec.name!r} already exists")
+    engine_args = validate_engine_args(spec.engine_args)
+    check_model(spec.model, engine_args, spec.backend)
+    check_counts(spec.replicas, spec.min_replicas, spec.max_replicas)
+    deployment = Deployment.objects.create(
+        name=spec.name, model=spec.model, backend=spec.backend, engine_args=engine_args,
+        replicas=spec.replicas, min_replicas=spec.min_replicas,
+        max_replicas=spec.max_replicas, standby=spec.standby,
+    )
+    audit(actor, "deployment-created", deployment, f"deployment {spec.name} created",
+          after=spec_of(deployment))
+    transaction.on_commit(request_reconcile)
+    return deployment
+
+
+@transaction.atomic
+def update_deployment(deployment: Deployment, changes: dict[str, Any], *,
+                      actor: str) -> Deployment:
+    """Change a deployment's spec. New engine args or a new model start a rollout."""
+    deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+    before = spec_of(deployment)
+    rollout = False
+    if "engine_args" in changes:
+        engine_args = validate_engine_args(changes["engine_args"])
+        if engine_args != deployment.engine_args:
+            deployment.engine_args, rollout = engine_args, True
+    if "model" in changes and changes["model"] != deployment.model:
+        deployment.model, rollout = changes["model"], True
+    for field in ("replicas", "min_replicas", "max_replicas", "standby"):
+        if field in changes:
+            setattr(deployment, field, changes[field])
+    check_model(deployment.model, deployment.engine_args, deployment.backend)
+    check_counts(deployment.replicas, deployment.min_replicas, deployment.max_replicas)
+    if rollout:
+        deployment.generation += 1
+    deployment.save()
+    audit(actor, "deployment-updated", deployment, f"deployment {deployment.name} updated"
+          + (f" (rollout to generation {deployment.generation})" if rollout else ""),
+          before=before, after=spec_of(deployment))
+    transaction.on_commit(request_reconcile)
+    return deployment
+
+
+@transaction.atomic
+def scale_deployment(deployment: Deployment, replicas: int, *, actor: str) -> Deployment:
+    deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+    if replicas < 0:
+        raise DeploymentError("replicas", "must be 0 or more")
+    if replicas > deployment.max_replicas:
+        raise DeploymentError("replicas", f"{replicas} is above max_replicas "
+                                          f"({deployment.max_replicas})")
+    before = deployment.replicas
+    min_replicas = min(deployment.min_replicas, replicas)
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=replicas,
+                                                       min_replicas=min_replicas)
+    deployment.replicas, deployment.min_replicas = replicas, min_replicas
+    audit(actor, "deployment-scaled", deployment,
+          f"deployment {deployment.name} scaled from {before} to {replicas}",
+          before={"replicas": before}, after={"replicas": replicas})
+    transaction.on_commit(request_reconcile)
+    return deployment
+
+
+@transaction.atomic
+def set_deployment_state(deployment: Deployment, state: str, *, actor: str) -> Deployment:
+    deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+    before = deployment.state
+    if state == before:
+        return deployment
+    Deployment.objects.filter(pk=deployment.pk).update(state=state)
+    deployment.state = state
+    audit(actor, "deployment-stopped" if state == Deployment.State.STOPPED else
+          "deployment-started", deployment, f"deployment {deployment.name} {state}",
+          before={"state": before}, after={"state": state})
+    transaction.on_commit(request_reconcile)
+    return deployment
+
+
+@transaction.atomic
+def restart_deployment(deployment: Deployment, *, actor: str) -> Deployment:
+    """A rolling restart: a new generation; each new replica is ready before an old one
+    drains."""
+    deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+    deployment.generation += 1
+    Deployment.objects.filter(pk=deployment.pk).update(generation=deployment.generation)
+    audit(actor, "deployment-restarted", deployment,
+          f"rolling restart of {deployment.name} (generation {deployment.generation})")
+    transaction.on_commit(request_reconcile)
+    return deployment
+
+
+@transaction.atomic
+def delete_deployment(deployment: Deployment, *, actor: str) -> Deployment:
+    """Drain every replica; the reconciler removes the deployment once none is left."""
+    Deployment.objects.filter(pk=deployment.pk).update(deleting=True)
+    deployment.deleting = True
+    audit(actor, "deployment-deleting", deployment,
+          f"deployment {deployment.name} is being deleted", before=spec_of(deployment))
+    transaction.on_commit(request_reconcile)
+    return deployment
+
+
+def default_local_backend() -> Backend:
+    """The backend deployments use when none is named: local processes."""
+    backend, created = Backend.objects.get_or_create(
+        name="local", defaults={"kind": Backend.Kind.LOCAL,
+                                "config": {"kv_cache_gib": settings.LOCAL_KV_CACHE_GIB}})
+    if created:
+        audit("system", "backend-created", None, "backend local (local) created",
+              after={"kind": backend.kind, "config": backend.config})
+    if backend.kind != Backend.Kind.LOCAL:
+        raise DeploymentError("backend", "the backend named 'local' is not a local backend; "
+                                         "name a backend explicitly")
+    return backend

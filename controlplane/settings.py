@@ -18,6 +18,7 @@ from controlplane.envconfig import (
     database_from_url,
     env_bool,
     env_choice,
+    env_float,
     env_int,
     env_list,
     env_path,
@@ -174,6 +175,19 @@ SPECTACULAR_SETTINGS = {
 HUB_ACCESS = env_bool("HUB_ACCESS", False)
 HF_ENDPOINT = env_str("HF_ENDPOINT", "https://huggingface.co")
 HUB_TIMEOUT_SECONDS = env_int("HUB_TIMEOUT_SECONDS", 10, minimum=1, maximum=300)
+
+# Controllers: the reconciler and the replicas it keeps running.
+RECONCILE_INTERVAL_SECONDS = env_float("RECONCILE_INTERVAL_SECONDS", 1.0, minimum=0.05,
+                                       maximum=60)
+REPLICA_STARTUP_TIMEOUT_SECONDS = env_int("REPLICA_STARTUP_TIMEOUT_SECONDS", 900, minimum=10)
+RESTART_BACKOFF_BASE_SECONDS = env_float("RESTART_BACKOFF_BASE_SECONDS", 5.0, minimum=0.1)
+RESTART_BACKOFF_MAX_SECONDS = env_float("RESTART_BACKOFF_MAX_SECONDS", 300.0, minimum=1)
+HEALTH_RECORD_SECONDS = env_int("HEALTH_RECORD_SECONDS", 10, minimum=1)
+HEALTH_FAILURE_SECONDS = env_int("HEALTH_FAILURE_SECONDS", 30, minimum=1)
+DRAIN_TIMEOUT_SECONDS = env_int("DRAIN_TIMEOUT_SECONDS", 30, minimum=0)
+STOP_GRACE_SECONDS = env_int("STOP_GRACE_SECONDS", 15, minimum=1)
+# The local backend's defaults for `make run`'s demo deployment and new local backends.
+LOCAL_KV_CACHE_GIB = env_float("LOCAL_KV_CACHE_GIB", 1.0, minimum=0.1)
 
 # The ASGI server of `manage.py serve`.
 SERVE_HOST = env_str("HOST", "127.0.0.1")

@@ -16,6 +16,8 @@ urlpatterns = [
     path("models/", include("models_registry.urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include("models_registry.api.urls")),
+    path("api/v1/", include("controlplane.api.urls")),
+    path("deployments/", include("controlplane.pages")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
 ]

@@ -114,7 +114,7 @@ def register_model(spec: ModelSpec, *, import_in_background: bool = True) -> Mod
 
 
 def start_import_thread(model_id: int) -> threading.Thread:
-    thread = threading.Thread(target=import_gguf_model, args=(model_id,),
+    thread = threading.Thread(target=_import_in_thread, args=(model_id,),
                               name=f"import-model-{model_id}", daemon=True)
     thread.start()
     return thread
@@ -149,9 +149,16 @@ class _ProgressRecorder:
             self.bar.close()
 
 
+def _import_in_thread(model_id: int) -> None:
+    close_old_connections()
+    try:
+        import_gguf_model(model_id)
+    finally:
+        connection.close()
+
+
 def import_gguf_model(model_id: int, *, show_progress: bool = False) -> None:
     """Convert a registered GGUF model into its folder; mark it ready or failed."""
-    close_old_connections()
     work_dir: Path | None = None
     recorder = _ProgressRecorder(model_id, show_progress)
     try:
@@ -181,8 +188,6 @@ def import_gguf_model(model_id: int, *, show_progress: bool = False) -> None:
         recorder.close()
         if work_dir is not None:
             shutil.rmtree(work_dir, ignore_errors=True)
-        if threading.current_thread() is not threading.main_thread():
-            connection.close()
 
 
 def recover_interrupted_imports() -> int:

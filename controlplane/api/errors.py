@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db.models import ProtectedError
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from controlplane.backends.base import BackendConfigError
+from controlplane.services import DeploymentError
 from models_registry.capacity_report import CapacityUnknownError
 from models_registry.importers import ModelSourceError
 from models_registry.services import ModelConflictError
@@ -21,6 +24,13 @@ class Conflict(exceptions.APIException):
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, ModelSourceError):
         exc = exceptions.ValidationError({exc.field: [exc.message]})
+    elif isinstance(exc, DeploymentError):
+        exc = exceptions.ValidationError({exc.field: [exc.message]})
+    elif isinstance(exc, BackendConfigError):
+        exc = exceptions.ValidationError({"config": [f"{exc.field}: {exc.message}"]})
     elif isinstance(exc, ModelConflictError | CapacityUnknownError):
         exc = Conflict(str(exc))
+    elif isinstance(exc, ProtectedError):
+        names = ", ".join(sorted(str(obj) for obj in exc.protected_objects))
+        exc = Conflict(f"still in use by: {names}")
     return drf_exception_handler(exc, context)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from django.conf import settings
@@ -10,16 +11,17 @@ from models_registry.services import recover_interrupted_imports
 
 
 class Command(BaseCommand):
-    help = "Run the control plane: the ASGI server (pages, REST API, WebSockets)."
+    help = ("Run the control plane: the ASGI server (pages, REST API, WebSockets) and the "
+            "controllers (reconciler), in one process.")
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--host", default=settings.SERVE_HOST)
         parser.add_argument("--port", type=int, default=settings.SERVE_PORT)
         parser.add_argument("--log-level", default=settings.LOG_LEVEL.lower())
+        parser.add_argument("--no-controllers", action="store_true",
+                            help="serve only; run `manage.py run_controllers` elsewhere")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        import uvicorn
-
         interrupted = recover_interrupted_imports()
         if interrupted:
             self.stderr.write(f"{interrupted} model import(s) were interrupted by a restart "
@@ -39,5 +41,23 @@ class Command(BaseCommand):
                               f"{username})")
         self.stdout.write("", ending="\n")
         self.stdout.flush()
-        uvicorn.run("controlplane.asgi:application", host=host, port=port,
-                    log_level=options["log_level"], lifespan="off", access_log=False)
+        asyncio.run(self.serve(host, port, options["log_level"],
+                               controllers=not options["no_controllers"]))
+
+    async def serve(self, host: str, port: int, log_level: str, *, controllers: bool) -> None:
+        import uvicorn
+
+        from controlplane.controllers import run_controllers
+
+        config = uvicorn.Config("controlplane.asgi:application", host=host, port=port,
+                                log_level=log_level, lifespan="off", access_log=False)
+        server = uvicorn.Server(config)
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(server.serve())]
+        if controllers:
+            tasks.append(asyncio.create_task(run_controllers(stop)))
+        await tasks[0]
+        # uvicorn handled SIGINT/SIGTERM and returned; stop the controllers too. Replica
+        # processes keep running and are adopted at the next start.
+        stop.set()
+        await asyncio.gather(*tasks[1:], return_exceptions=True)

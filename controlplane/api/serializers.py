@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from controlplane.engine_args import EngineArgsSerializer
+from controlplane.models import AuditEvent, Backend, Deployment, Replica
+from models_registry.models import Model
+
+NAME_FIELD = serializers.RegexField(
+    r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", max_length=63,
+    error_messages={"invalid": "use 1 to 63 lower-case letters, digits and hyphens, "
+                               "starting and ending with a letter or digit"})
+
+
+class BackendSerializer(serializers.ModelSerializer):
+    name = NAME_FIELD
+    config = serializers.JSONField(required=False, default=dict)
+
+    class Meta:
+        model = Backend
+        fields = ["name", "kind", "config", "created_at"]
+        read_only_fields = ["created_at"]
+
+    def to_representation(self, instance: Backend) -> dict[str, Any]:
+        data = super().to_representation(instance)
+        data["config"] = {k: ("***" if k == "api_key" and v else v)
+                          for k, v in (data.get("config") or {}).items()}
+        return data
+
+
+class ReplicaSerializer(serializers.ModelSerializer):
+    deployment: serializers.SlugRelatedField[Deployment] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True)
+    time_to_ready_seconds = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Replica
+        fields = ["name", "deployment", "endpoint", "phase", "role", "generation", "pid",
+                  "pod_name", "port", "devices", "started_at", "ready_at",
+                  "time_to_ready_seconds", "last_health_at", "last_error", "restart_count",
+                  "next_restart_at"]
+        read_only_fields = fields
+
+    def get_time_to_ready_seconds(self, replica: Replica) -> float | None:
+        took = replica.time_to_ready()
+        return round(took.total_seconds(), 2) if took else None
+
+
+class DeploymentSerializer(serializers.ModelSerializer):
+    name = NAME_FIELD
+    model = serializers.SlugRelatedField(slug_field="name", queryset=Model.objects.all())
+    backend = serializers.SlugRelatedField(slug_field="name", queryset=Backend.objects.all(),
+                                           required=False)
+    engine_args = serializers.JSONField(required=False, default=dict,
+                                        help_text="see EngineArgs in docs/api.md")
+    replicas = serializers.IntegerField(min_value=0, default=1)
+    min_replicas = serializers.IntegerField(min_value=0, default=0)
+    max_replicas = serializers.IntegerField(min_value=0, max_value=1000, default=4)
+    standby = serializers.IntegerField(min_value=0, max_value=100, default=0)
+    ready_replicas = serializers.SerializerMethodField()
+    replica_list = ReplicaSerializer(source="replica_set", many=True, read_only=True)
+
+    class Meta:
+        model = Deployment
+        fields = ["name", "model", "backend", "engine_args", "replicas", "min_replicas",
+                  "max_replicas", "standby", "state", "generation", "observed_generation",
+                  "conditions", "ready_replicas", "deleting", "replica_list", "created_at",
+                  "updated_at"]
+        read_only_fields = ["state", "generation", "observed_generation", "conditions",
+                            "deleting", "created_at", "updated_at"]
+
+    def get_ready_replicas(self, deployment: Deployment) -> int:
+        return sum(1 for r in deployment.replica_set.all() if r.phase == Replica.Phase.READY)
+
+    def validate_engine_args(self, value: Any) -> Any:
+        serializer = EngineArgsSerializer(data=value)
+        serializer.is_valid(raise_exception=True)
+        return dict(serializer.validated_data)
+
+
+class DeploymentUpdateSerializer(DeploymentSerializer):
+    class Meta(DeploymentSerializer.Meta):
+        read_only_fields = [*DeploymentSerializer.Meta.read_only_fields, "name", "backend"]
+
+
+class ScaleSerializer(serializers.Serializer):
+    replicas = serializers.IntegerField(min_value=0)
+
+
+class AuditEventSerializer(serializers.ModelSerializer):
+    deployment: serializers.SlugRelatedField[Deployment] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True)
+
+    class Meta:
+        model = AuditEvent
+        fields = ["at", "actor", "action", "deployment", "replica_name", "message", "before",
+                  "after"]
+        read_only_fields = fields

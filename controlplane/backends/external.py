@@ -1,0 +1,84 @@
+"""The external backend: an OpenAI-compatible endpoint something else runs. It is observed
+and routed to, never started or stopped."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from controlplane.backends.base import BackendConfigError, Observation
+
+if TYPE_CHECKING:
+    from controlplane.models import Deployment, Replica
+
+
+@dataclass(frozen=True)
+class ExternalConfig:
+    url: str
+    api_key: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ExternalConfig:
+        unknown = sorted(set(data) - {"url", "api_key"})
+        if unknown:
+            raise BackendConfigError(unknown[0],
+                                     f"unknown external backend setting {unknown[0]!r}")
+        url = data.get("url")
+        if not isinstance(url, str) or not url:
+            raise BackendConfigError("url", "an external backend needs the endpoint's url")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise BackendConfigError("url", f"{url!r} is not an http(s) URL")
+        api_key = data.get("api_key", "")
+        if not isinstance(api_key, str):
+            raise BackendConfigError("api_key", "must be a string")
+        # The OpenAI base URL may be given with or without its /v1.
+        return cls(url=url.rstrip("/").removesuffix("/v1"), api_key=api_key)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class ExternalBackend:
+    creates_replicas = False
+
+    def __init__(self, config: ExternalConfig) -> None:
+        self.config = config
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+
+    def start(self, deployment: Deployment, replica: Replica) -> None:
+        replica.endpoint = self.config.url
+
+    def observe(self, deployment: Deployment, replica: Replica) -> Observation:
+        try:
+            response = httpx.get(f"{self.config.url}/v1/models", headers=self._headers(),
+                                 timeout=5.0)
+        except httpx.HTTPError as exc:
+            return Observation(alive=False, healthy=False,
+                               message=f"{self.config.url} unreachable: {exc.__class__.__name__}")
+        healthy = response.status_code == 200
+        return Observation(alive=healthy, healthy=healthy,
+                           message=f"/v1/models answered {response.status_code}")
+
+    def warm_up(self, deployment: Deployment, replica: Replica) -> None:
+        return None
+
+    def in_flight(self, replica: Replica) -> int | None:
+        return None
+
+    def stop(self, replica: Replica, *, force: bool) -> None:
+        return None
+
+    def is_gone(self, replica: Replica) -> bool:
+        return True
+
+    def logs(self, replica: Replica, lines: int) -> list[str]:
+        return []
+
+    def cleanup_orphans(self, known: set[str]) -> list[str]:
+        return []

@@ -1,0 +1,317 @@
+"""The local backend: each replica is `python -m vllm.entrypoints.openai.api_server` in its
+own process group, on a free port, logging to its own file.
+
+The processes outlive the control plane: after a restart the reconciler finds them by pid
+and start time and adopts them. Every child carries FLEETPLANE_REPLICA=<name> in its
+environment, so servers no record knows can be found and stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import psutil
+from django.conf import settings
+
+from controlplane.backends.base import BackendConfigError, BackendError, Observation
+
+if TYPE_CHECKING:
+    from controlplane.models import Deployment, Replica
+
+REPLICA_ENV_MARKER = "FLEETPLANE_REPLICA"
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    #: GiB of KV cache per replica on CPU builds (VLLM_CPU_KVCACHE_SPACE).
+    kv_cache_gib: float = 1.0
+    #: Cores given to each replica on CPU builds (VLLM_CPU_OMP_THREADS_BIND); 0 lets vLLM
+    #: choose. Cores are only bound when enough are free for every replica.
+    cpu_cores_per_replica: int = 0
+    host: str = "127.0.0.1"
+    #: The interpreter that runs vLLM (default: the control plane's own).
+    python: str = ""
+    #: Extra environment variables for every replica.
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LocalConfig:
+        known = {"kv_cache_gib", "cpu_cores_per_replica", "host", "python", "env"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise BackendConfigError(unknown[0], f"unknown local backend setting {unknown[0]!r}")
+        kv = data.get("kv_cache_gib", 1.0)
+        if isinstance(kv, bool) or not isinstance(kv, int | float) or not 0 < kv <= 4096:
+            raise BackendConfigError("kv_cache_gib", "must be a number of GiB above 0")
+        cores = data.get("cpu_cores_per_replica", 0)
+        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
+            raise BackendConfigError("cpu_cores_per_replica", "must be a whole number >= 0")
+        host = data.get("host", "127.0.0.1")
+        if not isinstance(host, str) or not host:
+            raise BackendConfigError("host", "must be an address to listen on")
+        python = data.get("python", "")
+        if not isinstance(python, str):
+            raise BackendConfigError("python", "must be a path to a Python interpreter")
+        env = data.get("env", {})
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            raise BackendConfigError("env", "must map names to string values")
+        return cls(kv_cache_gib=float(kv), cpu_cores_per_replica=cores, host=host,
+                   python=python, env=dict(env))
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def free_port(host: str, avoid: set[int]) -> int:
+    for _ in range(50):
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in avoid:
+            return port
+    raise BackendError("no free port found")
+
+
+def tail_lines(path: Path, lines: int) -> list[str]:
+    """The last `lines` lines of a file, read from its end."""
+    if lines <= 0 or not path.is_file():
+        return []
+    with path.open("rb") as handle:
+        handle.seek(0, os.SEEK_END)
+        end = handle.tell()
+        block, data = 64 * 1024, b""
+        position = end
+        while position > 0 and data.count(b"\n") <= lines:
+            step = min(block, position)
+            position -= step
+            handle.seek(position)
+            data = handle.read(step) + data
+    return data.decode("utf-8", errors="replace").splitlines()[-lines:]
+
+
+def detect_gpus() -> list[str]:
+    """GPU indices NVML knows (through nvidia-smi), or none."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        result = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in result.stdout.splitlines() if line.strip()]
+
+
+class LocalBackend:
+    creates_replicas = True
+
+    def __init__(self, config: LocalConfig) -> None:
+        self.config = config
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._gpus: list[str] | None = None
+
+    # --- placement -------------------------------------------------------------------
+
+    def gpus(self) -> list[str]:
+        if self._gpus is None:
+            self._gpus = detect_gpus()
+        return self._gpus
+
+    def _taken_devices(self, exclude: Replica) -> set[str]:
+        from controlplane.models import Replica
+
+        taken: set[str] = set()
+        rows = Replica.objects.filter(phase__in=[*Replica.LIVE_PHASES, Replica.Phase.DRAINING],
+                                      deployment__backend__kind="local").exclude(pk=exclude.pk)
+        for devices in rows.values_list("devices", flat=True):
+            taken.update(d for d in devices.removeprefix("gpu:").removeprefix("cpu:")
+                         .split(",") if d)
+        return taken
+
+    def _placement(self, deployment: Deployment, replica: Replica) -> tuple[str, dict[str, str]]:
+        gpus = self.gpus()
+        if gpus:
+            needed = int(deployment.engine_args.get("tensor_parallel_size") or 1)
+            free = [g for g in gpus if g not in self._taken_devices(replica)]
+            if len(free) < needed:
+                raise BackendError(f"needs {needed} free GPU(s), {len(free)} of "
+                                   f"{len(gpus)} are free")
+            chosen = free[:needed]
+            return "gpu:" + ",".join(chosen), {"CUDA_VISIBLE_DEVICES": ",".join(chosen)}
+        env = {"VLLM_CPU_KVCACHE_SPACE": f"{self.config.kv_cache_gib:g}"}
+        per_replica = self.config.cpu_cores_per_replica
+        if per_replica:
+            cores = [str(c) for c in range(os.cpu_count() or 1)]
+            free = [c for c in cores if c not in self._taken_devices(replica)]
+            if len(free) >= per_replica:
+                chosen = free[:per_replica]
+                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(chosen)
+                return "cpu:" + ",".join(chosen), env
+        return "", env
+
+    # --- the protocol ----------------------------------------------------------------
+
+    def start(self, deployment: Deployment, replica: Replica) -> None:
+        from controlplane.engine_args import engine_command_line
+        from controlplane.models import Replica
+
+        model = deployment.model
+        if not model.path or not Path(model.path).is_dir():
+            raise BackendError(f"model {model.name} has no local folder to serve")
+        devices, placement_env = self._placement(deployment, replica)
+        avoid = {port for port in Replica.objects.values_list("port", flat=True) if port}
+        port = free_port(self.config.host, avoid)
+        log_dir = Path(settings.DATA_DIR) / "replicas"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{replica.name}.log"
+        command = [self.config.python or sys.executable, "-m", VLLM_MODULE,
+                   *engine_command_line(deployment.engine_args, model_path=model.path,
+                                        served_name=deployment.served_model_name(),
+                                        port=port, host=self.config.host)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "DO_NOT_TRACK": "1", **placement_env, **self.config.env,
+               REPLICA_ENV_MARKER: replica.name}
+        with log_path.open("ab") as log:
+            log.write(f"--- fleetplane: starting {replica.name}: {' '.join(command)}\n".encode())
+            log.flush()
+            try:
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, env=env,
+                                           start_new_session=True, cwd=log_dir)
+            except OSError as exc:
+                raise BackendError(f"could not start vLLM: {exc}") from None
+        self._children[process.pid] = process
+        replica.pid = process.pid
+        try:
+            replica.process_started = psutil.Process(process.pid).create_time()
+        except psutil.NoSuchProcess:
+            replica.process_started = None
+        replica.port = port
+        replica.endpoint = f"http://{self.config.host}:{port}"
+        replica.log_path = str(log_path)
+        replica.devices = devices
+
+    def _process(self, replica: Replica) -> psutil.Process | None:
+        if not replica.pid:
+            return None
+        child = self._children.get(replica.pid)
+        if child is not None and child.poll() is not None:
+            self._children.pop(replica.pid, None)
+            return None
+        try:
+            process = psutil.Process(replica.pid)
+            if replica.process_started and abs(process.create_time()
+                                               - replica.process_started) > 1.0:
+                return None  # the pid was recycled by another process
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return process
+        except psutil.NoSuchProcess:
+            return None
+
+    def observe(self, deployment: Deployment, replica: Replica) -> Observation:
+        if self._process(replica) is None:
+            return Observation(alive=False, healthy=False, message="the process has exited")
+        try:
+            response = httpx.get(f"{replica.endpoint}/health", timeout=5.0)
+        except httpx.HTTPError as exc:
+            return Observation(alive=True, healthy=False, message=exc.__class__.__name__)
+        return Observation(alive=True, healthy=response.status_code == 200,
+                           message=f"/health answered {response.status_code}")
+
+    def warm_up(self, deployment: Deployment, replica: Replica) -> None:
+        body = {"model": deployment.served_model_name(), "prompt": "Hello", "max_tokens": 1,
+                "temperature": 0}
+        try:
+            response = httpx.post(f"{replica.endpoint}/v1/completions", json=body, timeout=120)
+        except httpx.HTTPError as exc:
+            raise BackendError(f"warm-up request failed: {exc.__class__.__name__}") from None
+        if response.status_code != 200:
+            raise BackendError(f"warm-up request answered {response.status_code}: "
+                               f"{response.text[:300]}")
+
+    def in_flight(self, replica: Replica) -> int | None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            response = httpx.get(f"{replica.endpoint}/metrics", timeout=3.0)
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        total = 0.0
+        for family in text_string_to_metric_families(response.text):
+            if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                total += sum(sample.value for sample in family.samples)
+        return int(total)
+
+    def stop(self, replica: Replica, *, force: bool) -> None:
+        # The whole process group: vLLM's engine core runs in a child process.
+        if not replica.pid or self.is_gone(replica):
+            return
+        try:
+            os.killpg(replica.pid, signal.SIGKILL if force else signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def is_gone(self, replica: Replica) -> bool:
+        if not replica.pid:
+            return True
+        child = self._children.get(replica.pid)
+        if child is not None and child.poll() is not None:
+            self._children.pop(replica.pid, None)
+        try:
+            os.killpg(replica.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        # Only a zombie leader left (reaped by its parent later) counts as gone.
+        try:
+            group = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == replica.pid]
+        except psutil.Error:
+            return False
+        return all(_is_zombie(p) for p in group)
+
+    def logs(self, replica: Replica, lines: int) -> list[str]:
+        return tail_lines(Path(replica.log_path), lines) if replica.log_path else []
+
+    def cleanup_orphans(self, known: set[str]) -> list[str]:
+        stopped: list[str] = []
+        for process in psutil.process_iter(["pid"]):
+            try:
+                name = process.environ().get(REPLICA_ENV_MARKER)
+            except (psutil.Error, OSError):
+                continue
+            if not name or name in known or os.getpgid(process.pid) != process.pid:
+                continue
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+                stopped.append(name)
+            except (ProcessLookupError, PermissionError):
+                continue
+        return stopped
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def _is_zombie(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

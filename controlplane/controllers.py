@@ -1,0 +1,61 @@
+"""Runs the controllers: a reconcile pass every RECONCILE_INTERVAL_SECONDS, or at once when
+a change asks for one. Passes run in a worker thread so the event loop never blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from django.conf import settings
+from django.db import close_old_connections
+
+logger = logging.getLogger(__name__)
+
+_reconcile_requested = threading.Event()
+
+
+def request_reconcile() -> None:
+    """Ask for a pass now (in this process; other processes notice within one interval)."""
+    _reconcile_requested.set()
+
+
+def _one_pass(reconciler: object) -> None:
+    from controlplane.reconciler import Reconciler
+
+    assert isinstance(reconciler, Reconciler)
+    close_old_connections()
+    try:
+        result = reconciler.reconcile_all()
+        if result.errors:
+            logger.warning("reconcile pass had errors: %s", "; ".join(result.errors))
+    finally:
+        close_old_connections()
+
+
+async def run_controllers(stop: asyncio.Event) -> None:
+    from controlplane.reconciler import Reconciler
+
+    reconciler = Reconciler()
+    interval = settings.RECONCILE_INTERVAL_SECONDS
+    logger.info("controllers running (reconcile every %.1f s)", interval)
+    while not stop.is_set():
+        _reconcile_requested.clear()
+        try:
+            await asyncio.to_thread(_one_pass, reconciler)
+        except Exception:
+            logger.exception("reconcile pass failed")
+        await _wait_for_next(stop, interval)
+
+
+async def _wait_for_next(stop: asyncio.Event, interval: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + interval
+    while not stop.is_set() and not _reconcile_requested.is_set():
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=min(remaining, 0.05))
+        except TimeoutError:
+            continue

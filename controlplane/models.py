@@ -1,0 +1,157 @@
+"""Desired and observed state of the fleet: backends, deployments, replicas, events."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.db import models
+from django.utils import timezone
+
+from models_registry.models import Model
+
+
+class Backend(models.Model):
+    class Kind(models.TextChoices):
+        LOCAL = "local", "Local processes"
+        KUBERNETES = "kubernetes", "Kubernetes"
+        EXTERNAL = "external", "External endpoint"
+
+    name = models.SlugField(max_length=63, unique=True)
+    kind = models.CharField(max_length=20, choices=Kind.choices)
+    # Kind-specific settings, validated by the backend (see controlplane/backends/).
+    config = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.kind})"
+
+
+class Deployment(models.Model):
+    class State(models.TextChoices):
+        RUNNING = "running", "Running"
+        STOPPED = "stopped", "Stopped"
+
+    name = models.SlugField(max_length=63, unique=True)
+    model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="deployments")
+    backend = models.ForeignKey(Backend, on_delete=models.PROTECT, related_name="deployments")
+    engine_args = models.JSONField(default=dict, blank=True)
+    replicas = models.PositiveIntegerField(default=1)
+    min_replicas = models.PositiveIntegerField(default=0)
+    max_replicas = models.PositiveIntegerField(default=4)
+    standby = models.PositiveIntegerField(default=0)
+    state = models.CharField(max_length=20, choices=State.choices, default=State.RUNNING)
+    # generation counts changes of the spec that need new replicas (engine args, restart);
+    # observed_generation is the one every replica runs once a rollout has finished.
+    generation = models.PositiveIntegerField(default=1)
+    observed_generation = models.PositiveIntegerField(default=0)
+    conditions = models.JSONField(default=list, blank=True)
+    # Set by a delete: the reconciler drains every replica, then removes the deployment.
+    deleting = models.BooleanField(default=False)
+    # Numbers replicas (<deployment>-1, -2, ...) so a name is never reused.
+    replica_serial = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def desired_replicas(self) -> int:
+        if self.deleting or self.state != self.State.RUNNING:
+            return 0
+        return self.replicas
+
+    def served_model_name(self) -> str:
+        return str(self.engine_args.get("served_model_name") or self.name)
+
+    def condition(self, kind: str) -> dict[str, Any] | None:
+        return next((c for c in self.conditions if c.get("type") == kind), None)
+
+    def is_ready(self) -> bool:
+        available = self.condition("Available")
+        return bool(available and available.get("status") == "True")
+
+
+class Replica(models.Model):
+    class Phase(models.TextChoices):
+        PENDING = "pending", "Pending"
+        STARTING = "starting", "Starting"
+        LOADING = "loading", "Loading"
+        WARMING = "warming", "Warming up"
+        READY = "ready", "Ready"
+        DRAINING = "draining", "Draining"
+        STOPPED = "stopped", "Stopped"
+        FAILED = "failed", "Failed"
+
+    class Role(models.TextChoices):
+        ACTIVE = "active", "Active"
+        STANDBY = "standby", "Standby"
+
+    LIVE_PHASES = (Phase.PENDING, Phase.STARTING, Phase.LOADING, Phase.WARMING, Phase.READY)
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE,
+                                   related_name="replica_set")
+    name = models.CharField(max_length=100, unique=True)
+    endpoint = models.CharField(max_length=300, blank=True)
+    phase = models.CharField(max_length=20, choices=Phase.choices, default=Phase.PENDING)
+    role = models.CharField(max_length=20, choices=Role.choices, default=Role.ACTIVE)
+    generation = models.PositiveIntegerField(default=1)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    # The process's start time, so a recycled pid is never mistaken for the replica.
+    process_started = models.FloatField(null=True, blank=True)
+    pod_name = models.CharField(max_length=253, blank=True)
+    port = models.PositiveIntegerField(null=True, blank=True)
+    devices = models.CharField(max_length=100, blank=True)
+    log_path = models.CharField(max_length=500, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    last_health_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    restart_count = models.PositiveIntegerField(default=0)
+    next_restart_at = models.DateTimeField(null=True, blank=True)
+    drain_deadline = models.DateTimeField(null=True, blank=True)
+    stop_requested_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["deployment_id", "created_at", "id"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def is_live(self) -> bool:
+        return self.phase in self.LIVE_PHASES
+
+    def time_to_ready(self) -> timedelta | None:
+        if self.started_at and self.ready_at and self.ready_at >= self.started_at:
+            return self.ready_at - self.started_at
+        return None
+
+    def restart_due(self) -> bool:
+        return self.next_restart_at is None or self.next_restart_at <= timezone.now()
+
+
+class AuditEvent(models.Model):
+    """Who changed what, and what the controllers did and saw."""
+
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    actor = models.CharField(max_length=150)
+    action = models.CharField(max_length=100)
+    deployment = models.ForeignKey(Deployment, on_delete=models.SET_NULL, null=True,
+                                   blank=True, related_name="events")
+    replica_name = models.CharField(max_length=100, blank=True)
+    message = models.TextField(blank=True)
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action}"

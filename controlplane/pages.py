@@ -1,0 +1,105 @@
+"""Pages of deployments: the list (with a create form) and a deployment's page (replicas,
+phases, time to ready, logs, events, and the scale, stop, start, restart, delete actions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.admin.views.decorators import staff_member_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import path
+from django.views.decorators.http import require_POST
+from rest_framework.exceptions import ValidationError
+
+from controlplane import services
+from controlplane.forms import DeploymentForm, ScaleForm
+from controlplane.models import AuditEvent, Deployment, Replica
+
+
+def first_error(exc: ValidationError) -> str:
+    detail: Any = exc.detail
+    while isinstance(detail, dict | list):
+        if isinstance(detail, dict):
+            key, detail = next(iter(detail.items()))
+            if isinstance(detail, list) and detail and isinstance(detail[0], str):
+                return f"{key}: {detail[0]}"
+        else:
+            detail = detail[0]
+    return str(detail)
+
+
+@staff_member_required(login_url="login")
+def deployment_list(request: HttpRequest) -> HttpResponse:
+    form = DeploymentForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        try:
+            deployment = services.create_deployment(services.DeploymentSpec(
+                name=data["name"], model=data["model"],
+                backend=data["backend"] or services.default_local_backend(),
+                engine_args=form.engine_args_value(), replicas=data["replicas"],
+                max_replicas=data["max_replicas"]), actor=request.user.get_username())
+        except services.DeploymentError as exc:
+            form.add_error(None, f"{exc.field}: {exc.message}")
+        except ValidationError as exc:
+            form.add_error(None, first_error(exc))
+        else:
+            messages.success(request, f"Deployment {deployment.name} created.")
+            return redirect("deployment-page", name=deployment.name)
+    deployments = Deployment.objects.select_related("model", "backend").prefetch_related(
+        "replica_set")
+    return render(request, "controlplane/deployment_list.html",
+                  {"deployments": deployments, "form": form})
+
+
+@staff_member_required(login_url="login")
+def deployment_detail(request: HttpRequest, name: str) -> HttpResponse:
+    deployment = get_object_or_404(Deployment.objects.select_related("model", "backend"),
+                                   name=name)
+    replicas = list(Replica.objects.filter(deployment=deployment))
+    events = AuditEvent.objects.filter(deployment=deployment)[:50]
+    return render(request, "controlplane/deployment_detail.html", {
+        "deployment": deployment, "replicas": replicas, "events": events,
+        "scale_form": ScaleForm(initial={"replicas": deployment.replicas}),
+        "ready": sum(1 for r in replicas if r.phase == Replica.Phase.READY),
+    })
+
+
+@staff_member_required(login_url="login")
+@require_POST
+def deployment_action(request: HttpRequest, name: str, verb: str) -> HttpResponse:
+    deployment = get_object_or_404(Deployment, name=name)
+    actor = request.user.get_username()
+    try:
+        if verb == "scale":
+            form = ScaleForm(request.POST)
+            if not form.is_valid():
+                messages.error(request, "replicas: " + " ".join(map(str, form.errors["replicas"])))
+                return redirect("deployment-page", name=name)
+            services.scale_deployment(deployment, form.cleaned_data["replicas"], actor=actor)
+        elif verb == "stop":
+            services.set_deployment_state(deployment, Deployment.State.STOPPED, actor=actor)
+        elif verb == "start":
+            services.set_deployment_state(deployment, Deployment.State.RUNNING, actor=actor)
+        elif verb == "restart":
+            services.restart_deployment(deployment, actor=actor)
+        elif verb == "delete":
+            services.delete_deployment(deployment, actor=actor)
+            messages.success(request, f"Deployment {name} is being deleted.")
+            return redirect("deployments")
+        else:
+            return HttpResponse(status=404)
+    except services.DeploymentError as exc:
+        messages.error(request, f"{exc.field}: {exc.message}")
+    else:
+        messages.success(request, f"{verb.capitalize()} requested.")
+    return redirect("deployment-page", name=name)
+
+
+urlpatterns = [
+    path("", deployment_list, name="deployments"),
+    path("<slug:name>/", deployment_detail, name="deployment-page"),
+    path("<slug:name>/<str:verb>/", deployment_action, name="deployment-action"),
+]

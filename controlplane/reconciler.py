@@ -1,0 +1,358 @@
+"""The reconciler: level-triggered. Each pass reads desired state (deployments) and
+observed state (replica records plus what the backend sees), moves every replica one step
+through its phases, creates or drains replicas to reach the desired count, and writes
+status. A pass with nothing to do writes nothing; a pass after any failure converges.
+
+Phases of a replica: pending -> starting -> loading -> warming -> ready; draining -> gone.
+A replica that dies goes to failed and is restarted after a capped exponential backoff.
+Rollouts (a new generation: changed engine args, a restart) surge one new replica and drain
+an old one only once a new one is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import F
+from django.utils import timezone
+
+from controlplane.backends.base import BackendError, ReplicaBackend, backend_for
+from controlplane.models import AuditEvent, Deployment, Replica
+
+logger = logging.getLogger(__name__)
+
+ACTOR = "reconciler"
+LOG_LINES_IN_ERRORS = 15
+
+
+def restart_backoff(restarts: int) -> timedelta:
+    """5 s, 10 s, 20 s ... capped at RESTART_BACKOFF_MAX_SECONDS."""
+    base = settings.RESTART_BACKOFF_BASE_SECONDS
+    delay = min(base * 2 ** max(restarts - 1, 0), settings.RESTART_BACKOFF_MAX_SECONDS)
+    return timedelta(seconds=delay)
+
+
+@dataclass
+class PassResult:
+    deployments: int = 0
+    changed: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+def event(deployment: Deployment | None, action: str, message: str, *,
+          replica: Replica | None = None, before: Any = None, after: Any = None,
+          actor: str = ACTOR) -> None:
+    AuditEvent.objects.create(deployment=deployment, action=action, message=message,
+                              replica_name=replica.name if replica else "", before=before,
+                              after=after, actor=actor)
+
+
+class Reconciler:
+    def __init__(self) -> None:
+        self.orphans_checked = False
+
+    # --- the pass --------------------------------------------------------------------
+
+    def reconcile_all(self) -> PassResult:
+        started = time.perf_counter()
+        result = PassResult()
+        deployments = list(Deployment.objects.select_related("model", "backend")
+                           .prefetch_related("replica_set"))
+        if not self.orphans_checked:
+            self.cleanup_orphans(deployments)
+        for deployment in deployments:
+            result.deployments += 1
+            try:
+                if self.reconcile_deployment(deployment):
+                    result.changed += 1
+            except Exception as exc:  # one deployment's failure must not stop the others
+                logger.exception("reconciling %s failed", deployment.name)
+                result.errors.append(f"{deployment.name}: {exc}")
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def cleanup_orphans(self, deployments: list[Deployment]) -> None:
+        """Once per controller start: stop servers no replica record knows."""
+        known = {r.name for d in deployments for r in d.replica_set.all()}
+        seen: set[int] = set()
+        for deployment in deployments:
+            if deployment.backend_id in seen:
+                continue
+            seen.add(deployment.backend_id)
+            try:
+                stopped = backend_for(deployment.backend).cleanup_orphans(known)
+            except BackendError:
+                continue
+            for name in stopped:
+                event(None, "orphan-stopped", f"stopped server {name}, which no replica "
+                                              f"record knew")
+        self.orphans_checked = True
+
+    def reconcile_deployment(self, deployment: Deployment) -> bool:
+        backend = backend_for(deployment.backend)
+        replicas = list(deployment.replica_set.all())
+        changed = False
+        for replica in replicas:
+            changed |= self.step_replica(deployment, backend, replica)
+        live = [r for r in replicas if r.phase not in (Replica.Phase.DRAINING,
+                                                       Replica.Phase.STOPPED)]
+        if backend.creates_replicas:
+            changed |= self.scale(deployment, live)
+        else:
+            changed |= self.track_endpoint(deployment, live)
+        changed |= self.remove_stopped(deployment)
+        changed |= self.write_status(deployment)
+        if deployment.deleting and not deployment.replica_set.exists():
+            event(None, "deleted", f"deployment {deployment.name} deleted")
+            deployment.delete()
+            return True
+        return changed
+
+    # --- one replica, one step -------------------------------------------------------
+
+    def step_replica(self, deployment: Deployment, backend: ReplicaBackend,
+                     replica: Replica) -> bool:
+        phase = replica.phase
+        now = timezone.now()
+        if phase == Replica.Phase.PENDING:
+            return self.start_replica(deployment, backend, replica, now)
+        if phase == Replica.Phase.FAILED:
+            wanted = replica.generation == deployment.generation and not deployment.deleting
+            if wanted and replica.restart_due():
+                replica.phase = Replica.Phase.PENDING
+                return self.start_replica(deployment, backend, replica, now)
+            return False
+        if phase == Replica.Phase.DRAINING:
+            return self.drain(deployment, backend, replica, now)
+        if phase == Replica.Phase.STOPPED:
+            return False
+        observation = backend.observe(deployment, replica)
+        if not observation.alive:
+            return self.crashed(deployment, backend, replica, now)
+        if phase == Replica.Phase.STARTING:
+            return self.save(replica, phase=Replica.Phase.LOADING)
+        if not observation.healthy:
+            return self.unhealthy(deployment, backend, replica, now, observation.message)
+        if phase in (Replica.Phase.LOADING, Replica.Phase.WARMING):
+            return self.warm(deployment, backend, replica, now)
+        # Ready and healthy: record the check, but not more often than needed.
+        if replica.last_health_at is None or now - replica.last_health_at > timedelta(
+                seconds=settings.HEALTH_RECORD_SECONDS):
+            return self.save(replica, last_health_at=now)
+        return False
+
+    def start_replica(self, deployment: Deployment, backend: ReplicaBackend,
+                      replica: Replica, now: datetime) -> bool:
+        try:
+            backend.start(deployment, replica)
+        except BackendError as exc:
+            return self.fail(deployment, replica, now, f"could not start: {exc}")
+        replica.phase = Replica.Phase.STARTING
+        replica.started_at, replica.ready_at, replica.next_restart_at = now, None, None
+        replica.last_health_at = None
+        replica.save()
+        event(deployment, "replica-started",
+              f"{replica.name} started (pid {replica.pid}, {replica.endpoint})", replica=replica)
+        return True
+
+    def warm(self, deployment: Deployment, backend: ReplicaBackend, replica: Replica,
+             now: datetime) -> bool:
+        if replica.phase != Replica.Phase.WARMING:
+            self.save(replica, phase=Replica.Phase.WARMING)
+        try:
+            backend.warm_up(deployment, replica)
+        except BackendError as exc:
+            self.save(replica, last_error=str(exc))
+            return True
+        ready_at = timezone.now()
+        self.save(replica, phase=Replica.Phase.READY, ready_at=ready_at, last_health_at=ready_at,
+                  last_error="")
+        took = replica.time_to_ready()
+        event(deployment, "replica-ready", f"{replica.name} is ready"
+              + (f" ({took.total_seconds():.1f} s after start)" if took else ""),
+              replica=replica)
+        return True
+
+    def unhealthy(self, deployment: Deployment, backend: ReplicaBackend, replica: Replica,
+                  now: datetime, message: str) -> bool:
+        if replica.phase == Replica.Phase.READY:
+            # A ready replica that stops answering for a while is restarted.
+            last = replica.last_health_at or replica.ready_at or now
+            if now - last > timedelta(seconds=settings.HEALTH_FAILURE_SECONDS):
+                backend.stop(replica, force=True)
+                return self.crashed(deployment, backend, replica, now,
+                                    reason=f"stopped answering /health ({message})")
+            return False
+        started = replica.started_at or now
+        if now - started > timedelta(seconds=settings.REPLICA_STARTUP_TIMEOUT_SECONDS):
+            backend.stop(replica, force=True)
+            return self.crashed(deployment, backend, replica, now, reason=(
+                f"not healthy {settings.REPLICA_STARTUP_TIMEOUT_SECONDS} s after start"))
+        return False
+
+    def crashed(self, deployment: Deployment, backend: ReplicaBackend, replica: Replica,
+                now: datetime, reason: str = "exited") -> bool:
+        backend.stop(replica, force=True)  # nothing of the group may linger
+        tail = backend.logs(replica, LOG_LINES_IN_ERRORS)
+        detail = f"{replica.name} {reason}" + ("; last log lines:\n" + "\n".join(tail)
+                                               if tail else "")
+        return self.fail(deployment, replica, now, detail, crashed=True)
+
+    def fail(self, deployment: Deployment, replica: Replica, now: datetime, message: str,
+             *, crashed: bool = False) -> bool:
+        replica.restart_count += 1
+        delay = restart_backoff(replica.restart_count)
+        replica.phase = Replica.Phase.FAILED
+        replica.last_error = message
+        replica.next_restart_at = now + delay
+        replica.ready_at = None
+        replica.save()
+        event(deployment, "replica-crashed" if crashed else "replica-failed",
+              f"{message}\nrestart {replica.restart_count} in {delay.total_seconds():.0f} s",
+              replica=replica)
+        return True
+
+    def drain(self, deployment: Deployment, backend: ReplicaBackend, replica: Replica,
+              now: datetime) -> bool:
+        if replica.stop_requested_at is None:
+            in_flight = backend.in_flight(replica)
+            deadline = replica.drain_deadline or now
+            if in_flight and now < deadline:
+                return False
+            backend.stop(replica, force=False)
+            return self.save(replica, stop_requested_at=now)
+        if backend.is_gone(replica):
+            event(deployment, "replica-stopped", f"{replica.name} stopped", replica=replica)
+            return self.save(replica, phase=Replica.Phase.STOPPED)
+        if now - replica.stop_requested_at > timedelta(seconds=settings.STOP_GRACE_SECONDS):
+            backend.stop(replica, force=True)
+        return False
+
+    # --- counts ----------------------------------------------------------------------
+
+    def scale(self, deployment: Deployment, live: list[Replica]) -> bool:
+        """Reach the desired count; roll out a new generation one surge replica at a time,
+        never dropping below the desired number of ready replicas while it lasts."""
+        wanted = deployment.desired_replicas()
+        current = [r for r in live if r.generation == deployment.generation]
+        outdated = [r for r in live if r.generation != deployment.generation]
+        changed = False
+        surge = 1 if outdated and wanted else 0
+        for _ in range(max(0, min(wanted - len(current), wanted + surge - len(live)))):
+            self.create_replica(deployment)
+            changed = True
+        ready = sum(1 for r in live if r.phase == Replica.Phase.READY)
+        for victim in sorted(outdated, key=victim_order):
+            if victim.phase == Replica.Phase.READY:
+                if wanted and ready - 1 < wanted:
+                    continue  # keep serving until a new replica is ready in its place
+                ready -= 1
+            self.start_draining(deployment, victim)
+            changed = True
+        for victim in sorted(current, key=victim_order)[: max(len(current) - wanted, 0)]:
+            self.start_draining(deployment, victim)
+            changed = True
+        return changed
+
+    def create_replica(self, deployment: Deployment) -> Replica:
+        Deployment.objects.filter(pk=deployment.pk).update(
+            replica_serial=F("replica_serial") + 1)
+        deployment.replica_serial = Deployment.objects.values_list(
+            "replica_serial", flat=True).get(pk=deployment.pk)
+        replica = Replica.objects.create(
+            deployment=deployment, name=f"{deployment.name}-{deployment.replica_serial}",
+            generation=deployment.generation)
+        event(deployment, "replica-created", f"{replica.name} created", replica=replica)
+        return replica
+
+    def start_draining(self, deployment: Deployment, replica: Replica) -> None:
+        now = timezone.now()
+        if replica.phase in (Replica.Phase.READY, Replica.Phase.WARMING):
+            deadline = now + timedelta(seconds=settings.DRAIN_TIMEOUT_SECONDS)
+            self.save(replica, phase=Replica.Phase.DRAINING, drain_deadline=deadline)
+        elif replica.pid:
+            self.save(replica, phase=Replica.Phase.DRAINING, drain_deadline=now)
+        else:
+            self.save(replica, phase=Replica.Phase.STOPPED)
+        event(deployment, "replica-draining", f"{replica.name} taken out of service",
+              replica=replica)
+
+    def track_endpoint(self, deployment: Deployment, live: list[Replica]) -> bool:
+        """External backends: one replica record stands for the endpoint."""
+        wanted = min(deployment.desired_replicas(), 1)
+        changed = False
+        if wanted and not live:
+            replica = self.create_replica(deployment)
+            replica.phase = Replica.Phase.PENDING
+            live = [replica]
+            changed = True
+        if not wanted:
+            for replica in live:
+                self.save(replica, phase=Replica.Phase.STOPPED)
+                changed = True
+        return changed
+
+    def remove_stopped(self, deployment: Deployment) -> bool:
+        removed, _ = Replica.objects.filter(deployment=deployment,
+                                            phase=Replica.Phase.STOPPED).delete()
+        return bool(removed)
+
+    # --- status ----------------------------------------------------------------------
+
+    def write_status(self, deployment: Deployment) -> bool:
+        replicas = list(Replica.objects.filter(deployment=deployment))
+        wanted = deployment.desired_replicas()
+        ready = [r for r in replicas if r.phase == Replica.Phase.READY]
+        failed = [r for r in replicas if r.phase == Replica.Phase.FAILED]
+        outdated = [r for r in replicas if r.generation != deployment.generation]
+        pending = [r for r in replicas if r.phase != Replica.Phase.READY]
+        conditions = [
+            condition("Available", len(ready) >= wanted and (wanted > 0 or not replicas),
+                      f"{len(ready)} of {wanted} replicas ready"),
+            condition("Progressing", bool(outdated or pending),
+                      f"{len(outdated)} outdated, {len(pending)} not ready"
+                      if outdated or pending else "all replicas are up to date"),
+            condition("Degraded", bool(failed),
+                      failed[0].last_error[-2000:] if failed else "no failed replicas"),
+        ]
+        previous = {c["type"]: c for c in deployment.conditions}
+        merged = []
+        for item in conditions:
+            old = previous.get(item["type"])
+            if old and old["status"] == item["status"]:
+                item["last_transition"] = old.get("last_transition", item["last_transition"])
+            merged.append(item)
+        observed = deployment.generation if not outdated and len(ready) >= wanted else \
+            deployment.observed_generation
+        if merged == deployment.conditions and observed == deployment.observed_generation:
+            return False
+        deployment.conditions = merged
+        deployment.observed_generation = observed
+        Deployment.objects.filter(pk=deployment.pk).update(conditions=merged,
+                                                           observed_generation=observed)
+        return True
+
+    @staticmethod
+    def save(replica: Replica, **fields: Any) -> bool:
+        for name, value in fields.items():
+            setattr(replica, name, value)
+        replica.save(update_fields=list(fields))
+        return True
+
+
+def victim_order(replica: Replica) -> tuple[int, float]:
+    serving = replica.phase == Replica.Phase.READY
+    created = replica.created_at.timestamp() if replica.created_at else 0.0
+    return (1 if serving else 0, -created)
+
+
+def condition(kind: str, status: bool, message: str) -> dict[str, str]:
+    return {"type": kind, "status": "True" if status else "False", "message": message,
+            "last_transition": timezone.now().isoformat()}
+
