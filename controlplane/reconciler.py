@@ -56,6 +56,11 @@ def event(deployment: Deployment | None, action: str, message: str, *,
 class Reconciler:
     def __init__(self) -> None:
         self.orphans_checked = False
+        # When each ready replica's health was last probed (monotonic seconds). Only paces
+        # the probes; a restart loses nothing but one early probe.
+        self.last_probe: dict[int, float] = {}
+        self.started_at = timezone.now()
+        self.known: set[int] = set()
 
     # --- the pass --------------------------------------------------------------------
 
@@ -106,8 +111,10 @@ class Reconciler:
             changed |= self.scale(deployment, live)
         else:
             changed |= self.track_endpoint(deployment, live)
-        changed |= self.remove_stopped(deployment)
-        changed |= self.write_status(deployment)
+        changed |= self.remove_stopped(deployment, replicas)
+        if changed:
+            replicas = list(Replica.objects.filter(deployment=deployment))
+        changed |= self.write_status(deployment, replicas)
         if deployment.deleting and not deployment.replica_set.exists():
             event(None, "deleted", f"deployment {deployment.name} deleted")
             deployment.delete()
@@ -132,9 +139,19 @@ class Reconciler:
             return self.drain(deployment, backend, replica, now)
         if phase == Replica.Phase.STOPPED:
             return False
-        observation = backend.observe(deployment, replica)
+        probe = phase != Replica.Phase.READY or time.monotonic() - self.last_probe.get(
+            replica.pk, 0.0) >= settings.HEALTH_CHECK_SECONDS
+        observation = backend.observe(deployment, replica, probe_health=probe)
+        if probe:
+            self.last_probe[replica.pk] = time.monotonic()
         if not observation.alive:
             return self.crashed(deployment, backend, replica, now)
+        if replica.pk not in self.known:
+            self.known.add(replica.pk)
+            if replica.pid and replica.started_at and replica.started_at < self.started_at:
+                event(deployment, "replica-adopted", f"{replica.name} (pid {replica.pid}) was "
+                      f"running before this controller started and is adopted",
+                      replica=replica)
         if phase == Replica.Phase.STARTING:
             return self.save(replica, phase=Replica.Phase.LOADING)
         if not observation.healthy:
@@ -298,15 +315,18 @@ class Reconciler:
                 changed = True
         return changed
 
-    def remove_stopped(self, deployment: Deployment) -> bool:
-        removed, _ = Replica.objects.filter(deployment=deployment,
-                                            phase=Replica.Phase.STOPPED).delete()
-        return bool(removed)
+    def remove_stopped(self, deployment: Deployment, replicas: list[Replica]) -> bool:
+        stopped = [r.pk for r in replicas if r.phase == Replica.Phase.STOPPED]
+        if not stopped:
+            return False
+        Replica.objects.filter(pk__in=stopped).delete()
+        for pk in stopped:
+            self.last_probe.pop(pk, None)
+        return True
 
     # --- status ----------------------------------------------------------------------
 
-    def write_status(self, deployment: Deployment) -> bool:
-        replicas = list(Replica.objects.filter(deployment=deployment))
+    def write_status(self, deployment: Deployment, replicas: list[Replica]) -> bool:
         wanted = deployment.desired_replicas()
         ready = [r for r in replicas if r.phase == Replica.Phase.READY]
         failed = [r for r in replicas if r.phase == Replica.Phase.FAILED]

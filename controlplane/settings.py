@@ -182,12 +182,13 @@ RECONCILE_INTERVAL_SECONDS = env_float("RECONCILE_INTERVAL_SECONDS", 1.0, minimu
 REPLICA_STARTUP_TIMEOUT_SECONDS = env_int("REPLICA_STARTUP_TIMEOUT_SECONDS", 900, minimum=10)
 RESTART_BACKOFF_BASE_SECONDS = env_float("RESTART_BACKOFF_BASE_SECONDS", 5.0, minimum=0.1)
 RESTART_BACKOFF_MAX_SECONDS = env_float("RESTART_BACKOFF_MAX_SECONDS", 300.0, minimum=1)
+HEALTH_CHECK_SECONDS = env_float("HEALTH_CHECK_SECONDS", 5.0, minimum=0.0)
 HEALTH_RECORD_SECONDS = env_int("HEALTH_RECORD_SECONDS", 10, minimum=1)
 HEALTH_FAILURE_SECONDS = env_int("HEALTH_FAILURE_SECONDS", 30, minimum=1)
 DRAIN_TIMEOUT_SECONDS = env_int("DRAIN_TIMEOUT_SECONDS", 30, minimum=0)
 STOP_GRACE_SECONDS = env_int("STOP_GRACE_SECONDS", 15, minimum=1)
 # The local backend's defaults for `make run`'s demo deployment and new local backends.
-LOCAL_KV_CACHE_GIB = env_float("LOCAL_KV_CACHE_GIB", 1.0, minimum=0.1)
+LOCAL_KV_CACHE_GIB = env_int("LOCAL_KV_CACHE_GIB", 1, minimum=1)
 
 # The ASGI server of `manage.py serve`.
 SERVE_HOST = env_str("HOST", "127.0.0.1")
@@ -201,7 +202,7 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain",
                              "stream": sys.stderr}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
-    "loggers": {"django.db.backends": {"level": "INFO"}},
+    "loggers": {"django.db.backends": {"level": "INFO"}, "httpx": {"level": "WARNING"}},
 }
 
 if not DEBUG:

@@ -66,3 +66,13 @@ def browser() -> Iterator[object]:
         )
         yield instance
         instance.close()
+
+
+@pytest.fixture(scope="session")
+def demo_model_folder(tmp_path_factory: pytest.TempPathFactory, demo_gguf: Path) -> Path:
+    """The demo model converted once per test session (about 20 s)."""
+    from models_registry.importers import convert_gguf
+
+    folder = tmp_path_factory.mktemp("demo-model") / "smollm2-135m-instruct"
+    convert_gguf(demo_gguf, folder, lambda percent, stage: None)
+    return folder

@@ -84,3 +84,19 @@ def truncate_copy(source: Path, target: Path, fraction: float = 0.5) -> Path:
     data = source.read_bytes()
     target.write_bytes(data[: int(len(data) * fraction)])
     return target
+
+
+def make_backend(name: str = "local", kind: str = "local",
+                 config: dict[str, Any] | None = None) -> Any:
+    from controlplane.models import Backend
+
+    return Backend.objects.create(name=name, kind=kind, config=config or {})
+
+
+def make_deployment(name: str = "demo", model: Model | None = None, backend: Any = None,
+                    **fields: Any) -> Any:
+    from controlplane.models import Deployment
+
+    return Deployment.objects.create(
+        name=name, model=model or make_model(f"{name}-model"),
+        backend=backend or make_backend(), **fields)

@@ -43,8 +43,10 @@ class ReplicaBackend(Protocol):
     def start(self, deployment: Deployment, replica: Replica) -> None:
         """Launch the replica; fill in its pid/pod, port, endpoint and log path."""
 
-    def observe(self, deployment: Deployment, replica: Replica) -> Observation:
-        """Is it there, and does it answer its health check?"""
+    def observe(self, deployment: Deployment, replica: Replica, *,
+                probe_health: bool = True) -> Observation:
+        """Is it there, and (when probe_health) does it answer its health check? Without
+        the probe only the cheap checks run, and healthy repeats the last known answer."""
 
     def warm_up(self, deployment: Deployment, replica: Replica) -> None:
         """Send one real request so no user pays the first-request cost; raises on failure."""

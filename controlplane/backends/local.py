@@ -28,13 +28,16 @@ if TYPE_CHECKING:
     from controlplane.models import Deployment, Replica
 
 REPLICA_ENV_MARKER = "FLEETPLANE_REPLICA"
+# Which control plane (by its data folder) started the process: two control planes on one
+# machine never touch each other's replicas.
+REPLICA_OWNER_ENV = "FLEETPLANE_DATA_DIR"
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 @dataclass(frozen=True)
 class LocalConfig:
-    #: GiB of KV cache per replica on CPU builds (VLLM_CPU_KVCACHE_SPACE).
-    kv_cache_gib: float = 1.0
+    #: Whole GiB of KV cache per replica on CPU builds (VLLM_CPU_KVCACHE_SPACE).
+    kv_cache_gib: int = 1
     #: Cores given to each replica on CPU builds (VLLM_CPU_OMP_THREADS_BIND); 0 lets vLLM
     #: choose. Cores are only bound when enough are free for every replica.
     cpu_cores_per_replica: int = 0
@@ -50,9 +53,12 @@ class LocalConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise BackendConfigError(unknown[0], f"unknown local backend setting {unknown[0]!r}")
-        kv = data.get("kv_cache_gib", 1.0)
-        if isinstance(kv, bool) or not isinstance(kv, int | float) or not 0 < kv <= 4096:
-            raise BackendConfigError("kv_cache_gib", "must be a number of GiB above 0")
+        kv = data.get("kv_cache_gib", 1)
+        if isinstance(kv, float) and kv.is_integer():
+            kv = int(kv)
+        if isinstance(kv, bool) or not isinstance(kv, int) or not 1 <= kv <= 4096:
+            raise BackendConfigError("kv_cache_gib", "must be a whole number of GiB, 1 or more "
+                                                     "(vLLM's CPU build takes whole GiB)")
         cores = data.get("cpu_cores_per_replica", 0)
         if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
             raise BackendConfigError("cpu_cores_per_replica", "must be a whole number >= 0")
@@ -67,7 +73,7 @@ class LocalConfig:
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
         ):
             raise BackendConfigError("env", "must map names to string values")
-        return cls(kv_cache_gib=float(kv), cpu_cores_per_replica=cores, host=host,
+        return cls(kv_cache_gib=kv, cpu_cores_per_replica=cores, host=host,
                    python=python, env=dict(env))
 
     def as_dict(self) -> dict[str, object]:
@@ -149,7 +155,7 @@ class LocalBackend:
                                    f"{len(gpus)} are free")
             chosen = free[:needed]
             return "gpu:" + ",".join(chosen), {"CUDA_VISIBLE_DEVICES": ",".join(chosen)}
-        env = {"VLLM_CPU_KVCACHE_SPACE": f"{self.config.kv_cache_gib:g}"}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib)}
         per_replica = self.config.cpu_cores_per_replica
         if per_replica:
             cores = [str(c) for c in range(os.cpu_count() or 1)]
@@ -178,10 +184,12 @@ class LocalBackend:
         command = [self.config.python or sys.executable, "-m", VLLM_MODULE,
                    *engine_command_line(deployment.engine_args, model_path=model.path,
                                         served_name=deployment.served_model_name(),
-                                        port=port, host=self.config.host)]
+                                        port=port, host=self.config.host),
+                   # Health probes would otherwise fill the log a person reads.
+                   "--disable-uvicorn-access-log"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1", **placement_env, **self.config.env,
-               REPLICA_ENV_MARKER: replica.name}
+               REPLICA_ENV_MARKER: replica.name, REPLICA_OWNER_ENV: str(settings.DATA_DIR)}
         with log_path.open("ab") as log:
             log.write(f"--- fleetplane: starting {replica.name}: {' '.join(command)}\n".encode())
             log.flush()
@@ -220,9 +228,12 @@ class LocalBackend:
         except psutil.NoSuchProcess:
             return None
 
-    def observe(self, deployment: Deployment, replica: Replica) -> Observation:
+    def observe(self, deployment: Deployment, replica: Replica, *,
+                probe_health: bool = True) -> Observation:
         if self._process(replica) is None:
             return Observation(alive=False, healthy=False, message="the process has exited")
+        if not probe_health:
+            return Observation(alive=True, healthy=True, message="process alive")
         try:
             response = httpx.get(f"{replica.endpoint}/health", timeout=5.0)
         except httpx.HTTPError as exc:
@@ -287,20 +298,33 @@ class LocalBackend:
         return tail_lines(Path(replica.log_path), lines) if replica.log_path else []
 
     def cleanup_orphans(self, known: set[str]) -> list[str]:
-        stopped: list[str] = []
-        for process in psutil.process_iter(["pid"]):
+        stopped: set[str] = set()
+        for process, name in owned_processes():
+            if name in known:
+                continue
+            # Every process of the replica, not only its group leader: an engine process
+            # whose API server died is an orphan too.
             try:
-                name = process.environ().get(REPLICA_ENV_MARKER)
-            except (psutil.Error, OSError):
+                process.kill()
+                stopped.add(name)
+            except psutil.Error:
                 continue
-            if not name or name in known or os.getpgid(process.pid) != process.pid:
-                continue
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-                stopped.append(name)
-            except (ProcessLookupError, PermissionError):
-                continue
-        return stopped
+        return sorted(stopped)
+
+
+def owned_processes(data_dir: str | None = None) -> list[tuple[psutil.Process, str]]:
+    """Processes of replicas started by the control plane of this data folder."""
+    owner = data_dir or str(settings.DATA_DIR)
+    found = []
+    for process in psutil.process_iter(["pid"]):
+        try:
+            environ = process.environ()
+        except (psutil.Error, OSError):
+            continue
+        name = environ.get(REPLICA_ENV_MARKER)
+        if name and environ.get(REPLICA_OWNER_ENV) == owner:
+            found.append((process, name))
+    return found
 
 
 def _pgid(pid: int) -> int | None:

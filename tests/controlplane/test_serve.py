@@ -4,11 +4,6 @@ imported by `import_demo_model`, pages driven in headless Chromium, the REST API
 
 from __future__ import annotations
 
-import os
-import re
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,14 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.product import (
+    free_port,
+    login_from,
+    manage,
+    product_env,
+    start_server,
+    stop_server,
+)
+
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -36,43 +33,6 @@ class Served:
     first_output: str
 
 
-def product_env(data_dir: Path) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items()
-           if key not in {"DATABASE_URL", "REDIS_URL", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS"}}
-    env.update({"DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"})
-    return env
-
-
-def manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=True)
-
-
-def start_server(env: dict[str, str], port: int) -> tuple[subprocess.Popen[str], str]:
-    process = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port)],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    assert process.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        lines.append(line)
-        if "Uvicorn running" in line or process.poll() is not None:
-            break
-    output = "".join(lines)
-    assert "Uvicorn running" in output, output
-    return process, output
-
-
-def stop_server(process: subprocess.Popen[str]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     env = product_env(tmp_path_factory.mktemp("product") / "data")
@@ -81,10 +41,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     assert "is ready" in imported.stdout
     port = free_port()
     process, output = start_server(env, port)
-    match = re.search(r"Log in as '(\w+)' with password '([^']+)'", output)
-    assert match, output
+    username, password = login_from(output)
     try:
-        yield Served(f"http://127.0.0.1:{port}", env, match.group(1), match.group(2), output)
+        yield Served(f"http://127.0.0.1:{port}", env, username, password, output)
     finally:
         stop_server(process)
 

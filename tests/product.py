@@ -1,0 +1,101 @@
+"""Running the product as a user does: `manage.py` commands and `manage.py serve` as
+subprocesses on a free port, with their own data folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def product_env(data_dir: Path, **extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items()
+           if key not in {"DATABASE_URL", "REDIS_URL", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS"}}
+    env.update({"DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1", **extra})
+    return env
+
+
+def manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=True)
+
+
+def start_server(env: dict[str, str], port: int) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port)],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        lines.append(line)
+        if "Uvicorn running" in line or process.poll() is not None:
+            break
+    output = "".join(lines)
+    assert "Uvicorn running" in output, output
+    # Keep reading so a full pipe never blocks the server.
+    import threading
+
+    threading.Thread(target=lambda: [None for _ in process.stdout or []], daemon=True).start()
+    return process, output
+
+
+def stop_server(process: subprocess.Popen[str]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=15)
+
+
+def login_from(output: str) -> tuple[str, str]:
+    match = re.search(r"Log in as '(\w+)' with password '([^']+)'", output)
+    assert match, output
+    return match.group(1), match.group(2)
+
+
+@dataclass
+class Api:
+    url: str
+    key: str
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def get(self, path: str, **params: Any) -> Any:
+        response = httpx.get(self.url + path, headers=self._headers(), params=params,
+                             timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, path: str, body: Any = None) -> httpx.Response:
+        return httpx.post(self.url + path, headers=self._headers(), json=body, timeout=30)
+
+    def wait_for(self, what: str, check: Any, timeout: float, interval: float = 1.0) -> Any:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            last = check()
+            if last:
+                return last
+            time.sleep(interval)
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; "
+                             f"last seen: {last!r}")
