@@ -185,7 +185,12 @@ class Reconciler:
         try:
             backend.warm_up(deployment, replica)
         except BackendError as exc:
-            self.save(replica, last_error=str(exc))
+            started = replica.started_at or now
+            if now - started > timedelta(seconds=settings.REPLICA_STARTUP_TIMEOUT_SECONDS):
+                return self.crashed(deployment, backend, replica, now,
+                                    reason=f"kept failing its warm-up ({exc})")
+            if replica.last_error != str(exc):
+                self.save(replica, last_error=str(exc))
             return True
         ready_at = timezone.now()
         self.save(replica, phase=Replica.Phase.READY, ready_at=ready_at, last_health_at=ready_at,
@@ -333,8 +338,10 @@ class Reconciler:
         outdated = [r for r in replicas if r.generation != deployment.generation]
         pending = [r for r in replicas if r.phase != Replica.Phase.READY]
         conditions = [
-            condition("Available", len(ready) >= wanted and (wanted > 0 or not replicas),
-                      f"{len(ready)} of {wanted} replicas ready"),
+            condition("Available", wanted > 0 and len(ready) >= wanted,
+                      f"{len(ready)} of {wanted} replicas ready" if wanted else
+                      "stopped" if deployment.state == Deployment.State.STOPPED else
+                      "scaled to zero"),
             condition("Progressing", bool(outdated or pending),
                       f"{len(outdated)} outdated, {len(pending)} not ready"
                       if outdated or pending else "all replicas are up to date"),
