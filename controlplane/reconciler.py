@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -21,12 +22,14 @@ from django.conf import settings
 from django.db.models import F
 from django.utils import timezone
 
-from controlplane.backends.base import BackendError, ReplicaBackend, backend_for
+from controlplane.backends.base import BackendError, Observation, ReplicaBackend, backend_for
 from controlplane.models import AuditEvent, Deployment, Replica
 
 logger = logging.getLogger(__name__)
 
 ACTOR = "reconciler"
+OBSERVED_PHASES = (Replica.Phase.STARTING, Replica.Phase.LOADING, Replica.Phase.WARMING,
+                   Replica.Phase.READY)
 LOG_LINES_IN_ERRORS = 15
 
 
@@ -61,6 +64,8 @@ class Reconciler:
         self.last_probe: dict[int, float] = {}
         self.started_at = timezone.now()
         self.known: set[int] = set()
+        self.observations: dict[int, Observation] = {}
+        self.probed: set[int] = set()
 
     # --- the pass --------------------------------------------------------------------
 
@@ -71,6 +76,7 @@ class Reconciler:
                            .prefetch_related("replica_set"))
         if not self.orphans_checked:
             self.cleanup_orphans(deployments)
+        self.observations = self.observe_all(deployments)
         for deployment in deployments:
             result.deployments += 1
             try:
@@ -81,6 +87,36 @@ class Reconciler:
                 result.errors.append(f"{deployment.name}: {exc}")
         result.seconds = time.perf_counter() - started
         return result
+
+    def observe_all(self, deployments: list[Deployment]) -> dict[int, Observation]:
+        """Look at every running replica at once (probes are network calls; run side by
+        side they cost one timeout, not one per replica)."""
+        due: list[tuple[Deployment, Replica, bool]] = []
+        now = time.monotonic()
+        for deployment in deployments:
+            for replica in deployment.replica_set.all():
+                if replica.phase not in OBSERVED_PHASES:
+                    continue
+                probe = replica.phase != Replica.Phase.READY or now - self.last_probe.get(
+                    replica.pk, 0.0) >= settings.HEALTH_CHECK_SECONDS
+                due.append((deployment, replica, probe))
+        probed = [item for item in due if item[2]]
+        observations: dict[int, Observation] = {}
+        for deployment, replica, probe in due:
+            if not probe:
+                observations[replica.pk] = backend_for(deployment.backend).observe(
+                    deployment, replica, probe_health=False)
+        if probed:
+            with ThreadPoolExecutor(max_workers=min(32, len(probed))) as pool:
+                results = pool.map(lambda item: backend_for(item[0].backend).observe(
+                    item[0], item[1], probe_health=True), probed)
+                for (_, replica, _), observation in zip(probed, results, strict=True):
+                    observations[replica.pk] = observation
+                    self.last_probe[replica.pk] = time.monotonic()
+            self.probed = {replica.pk for _, replica, _ in probed}
+        else:
+            self.probed = set()
+        return observations
 
     def cleanup_orphans(self, deployments: list[Deployment]) -> None:
         """Once per controller start: stop servers no replica record knows."""
@@ -139,11 +175,9 @@ class Reconciler:
             return self.drain(deployment, backend, replica, now)
         if phase == Replica.Phase.STOPPED:
             return False
-        probe = phase != Replica.Phase.READY or time.monotonic() - self.last_probe.get(
-            replica.pk, 0.0) >= settings.HEALTH_CHECK_SECONDS
-        observation = backend.observe(deployment, replica, probe_health=probe)
-        if probe:
-            self.last_probe[replica.pk] = time.monotonic()
+        observation = self.observations.get(replica.pk)
+        if observation is None:  # a replica that changed phase during this pass
+            observation = backend.observe(deployment, replica)
         if not observation.alive:
             return self.crashed(deployment, backend, replica, now)
         if replica.pk not in self.known:
@@ -158,9 +192,10 @@ class Reconciler:
             return self.unhealthy(deployment, backend, replica, now, observation.message)
         if phase in (Replica.Phase.LOADING, Replica.Phase.WARMING):
             return self.warm(deployment, backend, replica, now)
-        # Ready and healthy: record the check, but not more often than needed.
-        if replica.last_health_at is None or now - replica.last_health_at > timedelta(
-                seconds=settings.HEALTH_RECORD_SECONDS):
+        # Ready and healthy: record a probe that happened, but not more often than needed.
+        if replica.pk in self.probed and (replica.last_health_at is None or now - replica.
+                                          last_health_at > timedelta(
+                                              seconds=settings.HEALTH_RECORD_SECONDS)):
             return self.save(replica, last_health_at=now)
         return False
 

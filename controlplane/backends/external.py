@@ -47,6 +47,8 @@ class ExternalBackend:
 
     def __init__(self, config: ExternalConfig) -> None:
         self.config = config
+        # One pooled client: building one per request costs more than the request.
+        self.http = httpx.Client(limits=httpx.Limits(max_connections=64))
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
@@ -59,7 +61,7 @@ class ExternalBackend:
         if not probe_health:
             return Observation(alive=True, healthy=True, message="not probed")
         try:
-            response = httpx.get(f"{self.config.url}/v1/models", headers=self._headers(),
+            response = self.http.get(f"{self.config.url}/v1/models", headers=self._headers(),
                                  timeout=5.0)
         except httpx.HTTPError as exc:
             return Observation(alive=False, healthy=False,

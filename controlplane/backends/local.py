@@ -126,6 +126,8 @@ class LocalBackend:
         self.config = config
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._gpus: list[str] | None = None
+        # One pooled client: building one per request costs more than the request.
+        self.http = httpx.Client(limits=httpx.Limits(max_connections=64))
 
     # --- placement -------------------------------------------------------------------
 
@@ -235,7 +237,7 @@ class LocalBackend:
         if not probe_health:
             return Observation(alive=True, healthy=True, message="process alive")
         try:
-            response = httpx.get(f"{replica.endpoint}/health", timeout=5.0)
+            response = self.http.get(f"{replica.endpoint}/health", timeout=5.0)
         except httpx.HTTPError as exc:
             return Observation(alive=True, healthy=False, message=exc.__class__.__name__)
         return Observation(alive=True, healthy=response.status_code == 200,
@@ -245,7 +247,7 @@ class LocalBackend:
         body = {"model": deployment.served_model_name(), "prompt": "Hello", "max_tokens": 1,
                 "temperature": 0}
         try:
-            response = httpx.post(f"{replica.endpoint}/v1/completions", json=body, timeout=120)
+            response = self.http.post(f"{replica.endpoint}/v1/completions", json=body, timeout=120)
         except httpx.HTTPError as exc:
             raise BackendError(f"warm-up request failed: {exc.__class__.__name__}") from None
         if response.status_code != 200:
@@ -256,7 +258,7 @@ class LocalBackend:
         from prometheus_client.parser import text_string_to_metric_families
 
         try:
-            response = httpx.get(f"{replica.endpoint}/metrics", timeout=3.0)
+            response = self.http.get(f"{replica.endpoint}/metrics", timeout=3.0)
             response.raise_for_status()
         except httpx.HTTPError:
             return None
