@@ -13,11 +13,27 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set u
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from serving.gateway import gateway  # noqa: E402
+from serving.metrics_endpoint import metrics_application  # noqa: E402
+
 websocket_urlpatterns: list[object] = []
+
+
+async def http_application(scope: dict, receive: object, send: object) -> None:
+    """/v1/* goes to the gateway, which needs none of Django's middleware; /metrics to the
+    Prometheus exposition; everything else to Django."""
+    path = scope["path"]
+    if path.startswith("/v1/"):
+        await gateway(scope, receive, send)  # type: ignore[arg-type]
+    elif path == "/metrics":
+        await metrics_application(scope, receive, send)  # type: ignore[arg-type]
+    else:
+        await django_application(scope, receive, send)  # type: ignore[arg-type]
+
 
 application = ProtocolTypeRouter(
     {
-        "http": django_application,
+        "http": http_application,
         "websocket": AllowedHostsOriginValidator(
             AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
         ),

@@ -25,10 +25,13 @@ def _one_pass(reconciler: object) -> None:
 
     assert isinstance(reconciler, Reconciler)
     close_old_connections()
+    from controlplane.routing import publish_routes
+
     try:
         result = reconciler.reconcile_all()
         if result.errors:
             logger.warning("reconcile pass had errors: %s", "; ".join(result.errors))
+        publish_routes()
     finally:
         close_old_connections()
 

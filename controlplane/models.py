@@ -43,6 +43,12 @@ class Deployment(models.Model):
     min_replicas = models.PositiveIntegerField(default=0)
     max_replicas = models.PositiveIntegerField(default=4)
     standby = models.PositiveIntegerField(default=0)
+    # How the gateway spreads requests among ready replicas (serving/router.py).
+    routing_policy = models.CharField(max_length=20, default="least-load", choices=[
+        ("least-load", "Least load"), ("round-robin", "Round robin"),
+        ("session", "Session affinity"), ("prefix", "Prefix affinity")])
+    # Further model names clients may use for this deployment.
+    aliases = models.JSONField(default=list, blank=True)
     state = models.CharField(max_length=20, choices=State.choices, default=State.RUNNING)
     # generation counts changes of the spec that need new replicas (engine args, restart);
     # observed_generation is the one every replica runs once a rollout has finished.

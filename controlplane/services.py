@@ -7,7 +7,7 @@ reconciler for a pass once the transaction has committed.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
@@ -102,6 +102,22 @@ class DeploymentSpec:
     min_replicas: int = 0
     max_replicas: int = 4
     standby: int = 0
+    routing_policy: str = "least-load"
+    aliases: list[str] = field(default_factory=list)
+
+
+def check_names(name: str, served: str, aliases: list[str], exclude: int | None = None) -> None:
+    """Every model name a client may use must lead to one deployment only."""
+    wanted = {name, served, *aliases}
+    others = Deployment.objects.filter(deleting=False)
+    if exclude is not None:
+        others = others.exclude(pk=exclude)
+    for other in others:
+        taken = {other.name, other.served_model_name(), *other.aliases}
+        clash = sorted(wanted & taken)
+        if clash:
+            raise DeploymentError("aliases", f"the model name {clash[0]!r} is already used by "
+                                             f"deployment {other.name}")
 
 
 @transaction.atomic
@@ -111,10 +127,12 @@ def create_deployment(spec: DeploymentSpec, *, actor: str) -> Deployment:
     engine_args = validate_engine_args(spec.engine_args)
     check_model(spec.model, engine_args, spec.backend)
     check_counts(spec.replicas, spec.min_replicas, spec.max_replicas)
+    check_names(spec.name, str(engine_args.get("served_model_name") or spec.name), spec.aliases)
     deployment = Deployment.objects.create(
         name=spec.name, model=spec.model, backend=spec.backend, engine_args=engine_args,
         replicas=spec.replicas, min_replicas=spec.min_replicas,
         max_replicas=spec.max_replicas, standby=spec.standby,
+        routing_policy=spec.routing_policy, aliases=spec.aliases,
     )
     audit(actor, "deployment-created", deployment, f"deployment {spec.name} created",
           after=spec_of(deployment))
@@ -135,10 +153,13 @@ def update_deployment(deployment: Deployment, changes: dict[str, Any], *,
             deployment.engine_args, rollout = engine_args, True
     if "model" in changes and changes["model"] != deployment.model:
         deployment.model, rollout = changes["model"], True
-    for field in ("replicas", "min_replicas", "max_replicas", "standby"):
-        if field in changes:
-            setattr(deployment, field, changes[field])
+    for name in ("replicas", "min_replicas", "max_replicas", "standby", "routing_policy",
+                 "aliases"):
+        if name in changes:
+            setattr(deployment, name, changes[name])
     check_model(deployment.model, deployment.engine_args, deployment.backend)
+    check_names(deployment.name, deployment.served_model_name(), deployment.aliases,
+                exclude=deployment.pk)
     check_counts(deployment.replicas, deployment.min_replicas, deployment.max_replicas)
     if rollout:
         deployment.generation += 1

@@ -190,6 +190,12 @@ STOP_GRACE_SECONDS = env_int("STOP_GRACE_SECONDS", 15, minimum=1)
 # The local backend's defaults for `make run`'s demo deployment and new local backends.
 LOCAL_KV_CACHE_GIB = env_int("LOCAL_KV_CACHE_GIB", 1, minimum=1)
 
+# The OpenAI-compatible gateway (/v1/*).
+GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)
+GATEWAY_LOAD_SCRAPE_SECONDS = env_float("GATEWAY_LOAD_SCRAPE_SECONDS", 1.0, minimum=0.1)
+KEY_CACHE_SECONDS = env_float("KEY_CACHE_SECONDS", 5.0, minimum=0.0)
+USAGE_FLUSH_SECONDS = env_float("USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
+
 # The ASGI server of `manage.py serve`.
 SERVE_HOST = env_str("HOST", "127.0.0.1")
 SERVE_PORT = env_int("PORT", 8000, minimum=1, maximum=65535)
@@ -202,7 +208,8 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain",
                              "stream": sys.stderr}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
-    "loggers": {"django.db.backends": {"level": "INFO"}, "httpx": {"level": "WARNING"}},
+    "loggers": {"django.db.backends": {"level": "INFO"}, "httpx": {"level": "WARNING"},
+                "httpx2": {"level": "WARNING"}},
 }
 
 if not DEBUG:

@@ -17,6 +17,8 @@ class ApiKey(models.Model):
     # SHA-256 of the whole key. Keys are 256 random bits, so a fast hash is safe and
     # keeps the lookup cheap; the key itself is never stored.
     key_hash = models.CharField(max_length=64, unique=True)
+    # Models (served names or deployment names) the key may call; empty allows all.
+    allowed_models = models.JSONField(default=list, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
 
@@ -32,3 +34,32 @@ class ApiKey(models.Model):
 
     def allows_admin(self) -> bool:
         return self.is_active() and self.scope == self.Scope.ADMIN
+
+
+class UsageRecord(models.Model):
+    """One answered request, written in batches off the hot path."""
+
+    at = models.DateTimeField(db_index=True)
+    request_id = models.CharField(max_length=100)
+    # No database constraint: a record written after its key was deleted must not make
+    # the whole batch fail.
+    key = models.ForeignKey(ApiKey, on_delete=models.SET_NULL, null=True, blank=True,
+                            db_constraint=False)
+    model = models.CharField(max_length=200)
+    deployment = models.CharField(max_length=100)
+    replica = models.CharField(max_length=100, blank=True)
+    status = models.PositiveSmallIntegerField()
+    stream = models.BooleanField(default=False)
+    prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
+    completion_tokens = models.PositiveIntegerField(null=True, blank=True)
+    queue_ms = models.FloatField(default=0)
+    ttft_ms = models.FloatField(null=True, blank=True)
+    itl_ms = models.FloatField(null=True, blank=True)  # mean between streamed chunks
+    e2e_ms = models.FloatField()
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["key", "at"]), models.Index(fields=["deployment", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.model} {self.status}"

@@ -59,15 +59,19 @@ class DeploymentSerializer(serializers.ModelSerializer):
     min_replicas = serializers.IntegerField(min_value=0, default=0)
     max_replicas = serializers.IntegerField(min_value=0, max_value=1000, default=4)
     standby = serializers.IntegerField(min_value=0, max_value=100, default=0)
+    routing_policy = serializers.ChoiceField(choices=["least-load", "round-robin", "session",
+                                                      "prefix"], default="least-load")
+    aliases = serializers.ListField(child=serializers.RegexField(
+        r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"), max_length=16, default=list)
     ready_replicas = serializers.SerializerMethodField()
     replica_list = ReplicaSerializer(source="replica_set", many=True, read_only=True)
 
     class Meta:
         model = Deployment
         fields = ["name", "model", "backend", "engine_args", "replicas", "min_replicas",
-                  "max_replicas", "standby", "state", "generation", "observed_generation",
-                  "conditions", "ready_replicas", "deleting", "replica_list", "created_at",
-                  "updated_at"]
+                  "max_replicas", "standby", "routing_policy", "aliases", "state",
+                  "generation", "observed_generation", "conditions", "ready_replicas",
+                  "deleting", "replica_list", "created_at", "updated_at"]
         read_only_fields = ["state", "generation", "observed_generation", "conditions",
                             "deleting", "created_at", "updated_at"]
 

@@ -70,7 +70,8 @@ class DeploymentViewSet(viewsets.ModelViewSet):
             name=data["name"], model=data["model"], backend=backend,
             engine_args=data.get("engine_args") or {}, replicas=data["replicas"],
             min_replicas=data["min_replicas"], max_replicas=data["max_replicas"],
-            standby=data["standby"]), actor=actor_of(self.request))
+            standby=data["standby"], routing_policy=data["routing_policy"],
+            aliases=data["aliases"]), actor=actor_of(self.request))
 
     def perform_update(self, serializer: serializers.BaseSerializer) -> None:
         assert isinstance(serializer.instance, Deployment)

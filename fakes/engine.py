@@ -1,0 +1,226 @@
+"""A FAKE OpenAI-compatible engine for tests and benchmarks, not an inference server.
+
+It streams N tokens at a configured pace, answers /health and /v1/models, and serves
+/metrics with vLLM's metric names and meaning (requests running and waiting, KV-cache use,
+TTFT and inter-token histograms). Every token is the word "tok".
+
+    python -m fakes.engine --port 9001 [--token-interval-ms 10] [--model fake]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += 1
+        self.sum += value
+        for index, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[index] += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out = [f'{name}_bucket{{{labels},le="{bound}"}} {count}'
+               for bound, count in zip(self.buckets, self.counts, strict=True)]
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.total}')
+        out.append(f"{name}_count{{{labels}}} {self.total}")
+        out.append(f"{name}_sum{{{labels}}} {self.sum}")
+        return out
+
+
+class FakeEngine:
+    def __init__(self, model: str, token_interval: float, max_running: int = 256) -> None:
+        self.model = model
+        self.token_interval = token_interval
+        self.max_running = max_running
+        self.running = 0
+        self.waiting = 0
+        self.requests = 0
+        self.disconnects = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.slots = asyncio.Semaphore(max_running)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path == "/health":
+            await respond(send, 200, b"", "text/plain")
+        elif method == "GET" and path == "/v1/models":
+            await respond(send, 200, json.dumps({"object": "list", "data": [
+                {"id": self.model, "object": "model", "owned_by": "fake",
+                 "max_model_len": 2048}]}).encode())
+        elif method == "GET" and path == "/metrics":
+            await respond(send, 200, self.metrics().encode(), "text/plain; version=0.0.4")
+        elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            await self.complete(scope, receive, send, chat=path.endswith("chat/completions"))
+        else:
+            await respond(send, 404, b'{"error": {"message": "not found", "code": 404}}')
+
+    async def complete(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        try:
+            request = json.loads(body)
+        except ValueError:
+            await respond(send, 400, b'{"error": {"message": "bad JSON", "code": 400}}')
+            return
+        if request.get("model") != self.model:
+            await respond(send, 404, json.dumps({"error": {
+                "message": f"The model `{request.get('model')}` does not exist.",
+                "type": "NotFoundError", "code": 404}}).encode())
+            return
+        tokens = int(request.get("max_tokens") or request.get("max_completion_tokens") or 16)
+        self.requests += 1
+        self.waiting += 1
+        async with self.slots:
+            self.waiting -= 1
+            self.running += 1
+            try:
+                if request.get("stream"):
+                    await self.stream(send, receive, request, tokens, chat)
+                else:
+                    await self.whole(send, tokens, chat)
+            finally:
+                self.running -= 1
+
+    async def whole(self, send: Send, tokens: int, chat: bool) -> None:
+        if self.token_interval:
+            await asyncio.sleep(self.token_interval * tokens)
+        text = " tok" * tokens
+        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
+                                   "finish_reason": "length"} if chat else
+                                  {"index": 0, "text": text, "finish_reason": "length"})
+        await respond(send, 200, json.dumps({
+            "id": "fake-1", "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.model, "choices": [choice],
+            "usage": {"prompt_tokens": 5, "completion_tokens": tokens,
+                      "total_tokens": tokens + 5}}).encode())
+
+    async def stream(self, send: Send, receive: Receive, request: dict[str, Any], tokens: int,
+                     chat: bool) -> None:
+        # Like vLLM, stop generating when the client goes away.
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                continue
+            gone.set()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self._stream(send, gone, request, tokens, chat)
+        finally:
+            watcher.cancel()
+
+    async def _stream(self, send: Send, gone: asyncio.Event, request: dict[str, Any],
+                      tokens: int, chat: bool) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        started = time.perf_counter()
+        last = started
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        prefix = (f'{{"id":"fake-1","object":"{kind}","created":{int(time.time())},'
+                  f'"model":"{self.model}","choices":[').encode()
+        piece = (b'{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}' if chat
+                 else b'{"index":0,"text":" tok","finish_reason":null}]}')
+        event = b"data: " + prefix + piece + b"\n\n"
+        for index in range(tokens):
+            if self.token_interval:
+                await asyncio.sleep(self.token_interval)
+            if gone.is_set():
+                self.disconnects += 1
+                return
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            now = time.perf_counter()
+            if index == 0:
+                self.ttft.observe(now - started)
+            else:
+                self.itl.observe(now - last)
+            last = now
+        finish = (b'{"index":0,"delta":{},"finish_reason":"length"}]}' if chat
+                  else b'{"index":0,"text":"","finish_reason":"length"}]}')
+        tail = b"data: " + prefix + finish + b"\n\n"
+        options = request.get("stream_options") or {}
+        if options.get("include_usage"):
+            usage = json.dumps({"prompt_tokens": 5, "completion_tokens": tokens,
+                                "total_tokens": tokens + 5}).encode()
+            tail += b"data: " + prefix + b'],"usage":' + usage + b"}\n\n"
+        tail += b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def metrics(self) -> str:
+        labels = f'engine="0",model_name="{self.model}"'
+        lines = [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {self.running}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} {self.waiting}",
+            "# TYPE fake:requests_total counter",
+            f"fake:requests_total {self.requests}",
+            "# TYPE fake:client_disconnects_total counter",
+            f"fake:client_disconnects_total {self.disconnects}",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{labels}}} {min(self.running / self.max_running, 1)}",
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+            *self.ttft.lines("vllm:time_to_first_token_seconds", labels),
+            "# TYPE vllm:inter_token_latency_seconds histogram",
+            *self.itl.lines("vllm:inter_token_latency_seconds", labels),
+        ]
+        return "\n".join(lines) + "\n"
+
+
+async def respond(send: Send, status: int, body: bytes,
+                  content_type: str = "application/json") -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type.encode()),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="fake")
+    parser.add_argument("--token-interval-ms", type=float, default=10.0)
+    options = parser.parse_args()
+    import uvicorn
+
+    uvicorn.run(FakeEngine(options.model, options.token_interval_ms / 1000), host=options.host,
+                port=options.port, log_level="warning", access_log=False, lifespan="on")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,518 @@
+"""The OpenAI-compatible gateway: a lean ASGI application for /v1/*.
+
+Per request: authenticate the key (in-memory cache), read and check the body, pick the
+deployment's pool from the route table, let the router pick a replica, relay the answer.
+No Django middleware and no ORM query on the hot path; one pooled HTTP client; the
+upstream stream is relayed as it arrives, whatever bytes are buffered in one write.
+
+A failure before the first byte is retried on another replica; after it, the client gets a
+final SSE error event. A client that disconnects cancels its upstream request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from django.conf import settings
+from django.utils import timezone
+
+from serving import metrics
+from serving.keys import KeyInfo, authenticate
+from serving.router import Router
+from serving.routes import Pool, RouteReplica, routes
+from serving.usage import Usage, UsageWriter
+
+logger = logging.getLogger("serving.gateway")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+             "/v1/embeddings": "embedding"}
+MAX_ATTEMPTS = 3
+RETRY_STATUSES = {500, 502, 503, 504}
+
+
+class GatewayError(Exception):
+    """An answer in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code, self.headers = param, code, headers or []
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"message": self.message, "type": self.kind,
+                                       "param": self.param, "code": self.code}})
+
+
+@dataclass
+class Timing:
+    arrived: float = field(default_factory=time.perf_counter)
+    sent: float = 0.0
+    first_byte: float = 0.0
+    last_chunk: float = 0.0
+    gaps: float = 0.0
+    chunks: int = 0
+
+    def ms(self, value: float) -> float:
+        return (value - self.arrived) * 1000
+
+
+class Gateway:
+    def __init__(self) -> None:
+        self.router = Router()
+        self.client: aiohttp.ClientSession | None = None
+        self.usage: UsageWriter | None = None
+        self.background: asyncio.Task[None] | None = None
+
+    # --- plumbing --------------------------------------------------------------------
+
+    def http(self) -> aiohttp.ClientSession:
+        if self.client is None or self.client.closed:
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
+                                             keepalive_timeout=60, enable_cleanup_closed=True)
+            self.client = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        if self.background is None or self.background.done():
+            self.background = asyncio.get_running_loop().create_task(self.watch_load())
+        if self.usage is None:
+            self.usage = UsageWriter()
+        return self.client
+
+    async def watch_load(self) -> None:
+        """Scrape each routed replica's queue (vLLM's running + waiting) for least-load
+        routing, and follow the route table in Redis when the controller runs elsewhere."""
+        while True:
+            try:
+                if settings.REDIS_URL and not routes.publishes_locally:
+                    await self.load_routes_from_redis()
+                await self.scrape_load()
+            except Exception:
+                logger.exception("load watcher failed; trying again")
+            await asyncio.sleep(settings.GATEWAY_LOAD_SCRAPE_SECONDS)
+
+    async def load_routes_from_redis(self) -> None:
+        import redis.asyncio as redis
+
+        from serving.routes import REDIS_KEY
+
+        connection = redis.Redis.from_url(str(settings.REDIS_URL))
+        try:
+            text = await connection.get(REDIS_KEY)
+        finally:
+            await connection.aclose()
+        if text:
+            routes.load_json(text.decode() if isinstance(text, bytes) else str(text))
+
+    async def scrape_load(self) -> None:
+        table = routes.table
+        replicas = {r.name: r for pool in table.pools.values() for r in pool.replicas}
+        self.router.forget_missing(set(replicas))
+        if not replicas:
+            return
+        client = self.http()
+
+        async def one(replica: RouteReplica) -> None:
+            try:
+                async with client.get(f"{replica.url}/metrics",
+                                      timeout=aiohttp.ClientTimeout(total=2)) as response:
+                    text = await response.text()
+            except (aiohttp.ClientError, TimeoutError):
+                return
+            total = 0.0
+            for line in text.splitlines():
+                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+                    with contextlib.suppress(ValueError):
+                        total += float(line.rsplit(" ", 1)[-1])
+            self.router.state(replica.name).scraped = int(total)
+
+        await asyncio.gather(*(one(r) for r in replicas.values()))
+
+    # --- ASGI ------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = header(scope, b"x-request-id") or uuid.uuid4().hex
+        base_headers = [(b"x-request-id", request_id.encode())]
+        try:
+            path, method = scope["path"], scope["method"]
+            if path == "/v1/models" and method == "GET":
+                await self.list_models(scope, send, base_headers)
+            elif path in ENDPOINTS:
+                if method != "POST":
+                    raise GatewayError(405, f"{path} takes POST", code="method_not_allowed")
+                await self.proxy(scope, receive, send, ENDPOINTS[path], request_id,
+                                 base_headers)
+            else:
+                raise GatewayError(404, f"unknown path {path}", code="not_found")
+        except GatewayError as error:
+            await respond(send, error.status, error.body(), base_headers + error.headers)
+
+    async def authenticate(self, scope: Scope) -> KeyInfo:
+        value = header(scope, b"authorization")
+        if not value:
+            raise GatewayError(401, "missing API key: send Authorization: Bearer <key>",
+                               kind="authentication_error", code="missing_api_key")
+        scheme, _, key = value.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise GatewayError(401, "use Authorization: Bearer <key>",
+                               kind="authentication_error", code="invalid_api_key")
+        info = await authenticate(key.strip())
+        if info is None:
+            raise GatewayError(401, "invalid or revoked API key", kind="authentication_error",
+                               code="invalid_api_key")
+        return info
+
+    async def list_models(self, scope: Scope, send: Send,
+                          headers: list[tuple[bytes, bytes]]) -> None:
+        key = await self.authenticate(scope)
+        created = int(time.time())
+        data = []
+        for name, pool in sorted(routes.table.pools.items()):
+            if key.allows(name, pool.deployment, pool.served_model_name):
+                data.append({"id": name, "object": "model", "created": created,
+                             "owned_by": "fleetplane", "root": pool.served_model_name,
+                             "max_model_len": pool.max_model_len,
+                             "ready_replicas": len(pool.replicas)})
+        await respond(send, 200, orjson.dumps({"object": "list", "data": data}), headers)
+
+    async def read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = settings.GATEWAY_MAX_BODY_BYTES
+        declared = header(scope, b"content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise GatewayError(413, f"request body over the limit of {limit} bytes",
+                               code="request_too_large")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise asyncio.CancelledError
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise GatewayError(413, f"request body over the limit of {limit} bytes",
+                                   code="request_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+    async def proxy(self, scope: Scope, receive: Receive, send: Send, kind: str,
+                    request_id: str, headers: list[tuple[bytes, bytes]]) -> None:
+        timing = Timing()
+        key = await self.authenticate(scope)
+        raw = await self.read_body(scope, receive)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise GatewayError(400, f"malformed JSON body: {exc}", code="invalid_json") \
+                from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the body must be a JSON object", code="invalid_json")
+        check_parameters(body, kind)
+        model = body["model"]
+        pool = routes.table.pool_for(model)
+        if pool is None:
+            raise GatewayError(404, f"The model `{model}` does not exist.",
+                               kind="not_found_error", param="model", code="model_not_found")
+        if not key.allows(model, pool.deployment, pool.served_model_name):
+            raise GatewayError(403, f"this API key may not use the model `{model}`",
+                               kind="permission_error", param="model",
+                               code="model_not_allowed")
+        stream = bool(body.get("stream"))
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        rewrite = model != pool.served_model_name or (stream and not wants_usage)
+        if rewrite:
+            body["model"] = pool.served_model_name
+            if stream and not wants_usage:
+                # Usage is needed for the records; the event is taken out again below.
+                body["stream_options"] = {**(body.get("stream_options") or {}),
+                                          "include_usage": True}
+            raw = orjson.dumps(body)
+        session = header(scope, b"x-session-id") or str(body.get("user") or "") or None
+        prefix = prompt_prefix(body, kind)
+        await self.relay(send, receive, key, pool, model, scope["path"], raw, stream,
+                         wants_usage, session, prefix, request_id, headers, timing)
+
+    async def relay(self, send: Send, receive: Receive, key: KeyInfo, pool: Pool, model: str,
+                    path: str, raw: bytes, stream: bool, wants_usage: bool,
+                    session: str | None,
+                    prefix: str | None, request_id: str, headers: list[tuple[bytes, bytes]],
+                    timing: Timing) -> None:
+        client = self.http()
+        tried: list[str] = []
+        upstream_headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        response: aiohttp.ClientResponse | None = None
+        replica: RouteReplica | None = None
+        last_error = ""
+        for attempt in range(MAX_ATTEMPTS):
+            replica = self.router.choose(pool, session=session, prefix=prefix, exclude=tried)
+            if replica is None:
+                break
+            if attempt:
+                metrics.RETRIES.labels(model).inc()
+            tried.append(replica.name)
+            state = self.router.state(replica.name)
+            state.in_flight += 1
+            timing.sent = time.perf_counter()
+            try:
+                response = await client.post(f"{replica.url}{path}", data=raw,
+                                             headers=upstream_headers)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                state.in_flight -= 1
+                self.router.failed(replica.name)
+                metrics.UPSTREAM_ERRORS.labels(model, pool.deployment).inc()
+                last_error = f"{replica.name}: {exc.__class__.__name__}"
+                response = None
+                continue
+            if response.status in RETRY_STATUSES and attempt + 1 < MAX_ATTEMPTS:
+                state.in_flight -= 1
+                self.router.failed(replica.name)
+                metrics.UPSTREAM_ERRORS.labels(model, pool.deployment).inc()
+                last_error = f"{replica.name}: HTTP {response.status}"
+                response.release()
+                response = None
+                continue
+            break
+        if response is None or replica is None:
+            message = (f"no ready replica for model `{model}`" if not tried else
+                       f"every replica failed before answering ({last_error})")
+            self.record(key, model, pool, "", 503, stream, None, timing, request_id)
+            raise GatewayError(503, message, kind="service_unavailable", code="no_replica",
+                               headers=[(b"retry-after", b"2")])
+        metrics.IN_FLIGHT.labels(model).inc()
+        status = response.status
+        usage: dict[str, Any] | None = None
+        try:
+            content_type = response.headers.get("Content-Type", "application/json")
+            out_headers = [*headers, (b"content-type", content_type.encode())]
+            if stream and status == 200:
+                out_headers.append((b"cache-control", b"no-cache"))
+                usage = await self.relay_stream(send, receive, response, out_headers,
+                                                wants_usage, timing, model, pool, replica)
+            else:
+                payload = await response.read()
+                timing.first_byte = timing.last_chunk = time.perf_counter()
+                await respond(send, status, payload, out_headers)
+                if status == 200:
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        parsed = orjson.loads(payload)
+                        usage = parsed.get("usage") if isinstance(parsed, dict) else None
+            self.router.succeeded(replica.name)
+        finally:
+            response.release()
+            self.router.state(replica.name).in_flight -= 1
+            metrics.IN_FLIGHT.labels(model).dec()
+        self.record(key, model, pool, replica.name, status, stream, usage, timing, request_id)
+
+    async def relay_stream(self, send: Send, receive: Receive,
+                           response: aiohttp.ClientResponse,
+                           headers: list[tuple[bytes, bytes]], wants_usage: bool,
+                           timing: Timing, model: str, pool: Pool,
+                           replica: RouteReplica) -> dict[str, Any] | None:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        usage: dict[str, Any] | None = None
+        pending = b""
+        disconnected = asyncio.get_running_loop().create_future()
+
+        async def watch_disconnect() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    disconnected.set_result(True)
+                    return
+
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect())
+        try:
+            content = response.content
+            while True:
+                read = asyncio.ensure_future(content.readany())
+                done, _ = await asyncio.wait({read, disconnected},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if disconnected in done:
+                    read.cancel()
+                    response.close()  # the engine sees the disconnect and frees the KV cache
+                    return usage
+                chunk = read.result()
+                if not chunk:
+                    break
+                now = time.perf_counter()
+                if timing.chunks == 0:
+                    timing.first_byte = now
+                else:
+                    timing.gaps += now - timing.last_chunk
+                timing.last_chunk = now
+                timing.chunks += 1
+                data = pending + chunk
+                cut = data.rfind(b"\n\n")
+                if cut < 0:
+                    pending = data
+                    continue
+                complete, pending = data[: cut + 2], data[cut + 2:]
+                if b'"usage"' in complete and b'"choices":[]' in complete:
+                    complete, usage = take_usage(complete, keep=wants_usage)
+                if complete:
+                    await send({"type": "http.response.body", "body": complete,
+                                "more_body": True})
+            if pending:
+                await send({"type": "http.response.body", "body": pending, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.router.failed(replica.name)
+            metrics.UPSTREAM_ERRORS.labels(model, pool.deployment).inc()
+            error = {"error": {"message": f"the replica failed mid-stream "
+                                          f"({exc.__class__.__name__})",
+                               "type": "upstream_error", "code": 502}}
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body",
+                            "body": b"data: " + orjson.dumps(error) + b"\n\n",
+                            "more_body": False})
+        except asyncio.CancelledError:
+            response.close()
+            raise
+        finally:
+            watcher.cancel()
+        return usage
+
+    def record(self, key: KeyInfo, model: str, pool: Pool, replica: str, status: int,
+               stream: bool, usage: dict[str, Any] | None, timing: Timing,
+               request_id: str) -> None:
+        end = timing.last_chunk or time.perf_counter()
+        metrics.REQUESTS.labels(model, pool.deployment, str(status)).inc()
+        metrics.E2E.labels(model).observe(end - timing.arrived)
+        ttft = timing.first_byte - timing.arrived if timing.first_byte else None
+        if ttft is not None:
+            metrics.TTFT.labels(model).observe(ttft)
+        itl = timing.gaps / (timing.chunks - 1) if timing.chunks > 1 else None
+        if itl is not None:
+            metrics.ITL.labels(model).observe(itl)
+        prompt = completion = None
+        if usage:
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int):
+                metrics.TOKENS.labels(model, "prompt").inc(prompt)
+            if isinstance(completion, int):
+                metrics.TOKENS.labels(model, "completion").inc(completion)
+        logger.info("%s %s %s -> %s %s %.1f ms", request_id, model, pool.deployment,
+                    replica or "-", status, (end - timing.arrived) * 1000)
+        if self.usage is not None:
+            self.usage.add(Usage(
+                at=timezone.now(), request_id=request_id, key_id=key.key_id, model=model,
+                deployment=pool.deployment, replica=replica, status=status, stream=stream,
+                prompt_tokens=prompt if isinstance(prompt, int) else None,
+                completion_tokens=completion if isinstance(completion, int) else None,
+                queue_ms=(timing.sent - timing.arrived) * 1000 if timing.sent else 0.0,
+                ttft_ms=ttft * 1000 if ttft is not None else None,
+                itl_ms=itl * 1000 if itl is not None else None,
+                e2e_ms=(end - timing.arrived) * 1000))
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+async def respond(send: Send, status: int, body: bytes,
+                  headers: list[tuple[bytes, bytes]]) -> None:
+    names = {name for name, _ in headers}
+    extra = [] if b"content-type" in names else [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": status,
+                "headers": headers + extra + [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _positive_int(body: dict[str, Any], name: str, maximum: int = 10_000_000) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise GatewayError(400, f"`{name}` must be a whole number from 1 to {maximum}",
+                           param=name, code="invalid_value")
+
+
+def check_parameters(body: dict[str, Any], kind: str) -> None:
+    """The checks a gateway can make cheaply; the engine checks the rest."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError(400, "`model` is required and must be a string", param="model",
+                           code="invalid_value")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise GatewayError(400, "`messages` must be a non-empty list", param="messages",
+                               code="invalid_value")
+    elif kind == "completion":
+        if not isinstance(body.get("prompt"), str | list):
+            raise GatewayError(400, "`prompt` is required: a string or a list",
+                               param="prompt", code="invalid_value")
+    elif not isinstance(body.get("input"), str | list):
+        raise GatewayError(400, "`input` is required: a string or a list", param="input",
+                           code="invalid_value")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise GatewayError(400, "`stream` must be true or false", param="stream",
+                           code="invalid_value")
+    if body.get("stream_options") is not None:
+        if not body.get("stream"):
+            raise GatewayError(400, "`stream_options` is only allowed with `stream`: true",
+                               param="stream_options", code="invalid_value")
+        if not isinstance(body["stream_options"], dict):
+            raise GatewayError(400, "`stream_options` must be an object",
+                               param="stream_options", code="invalid_value")
+    _positive_int(body, "max_tokens")
+    _positive_int(body, "max_completion_tokens")
+    _positive_int(body, "n", 128)
+    temperature = body.get("temperature")
+    if temperature is not None and (isinstance(temperature, bool) or not isinstance(
+            temperature, int | float) or not 0 <= temperature <= 2):
+        raise GatewayError(400, "`temperature` must be a number from 0 to 2",
+                           param="temperature", code="invalid_value")
+
+
+def prompt_prefix(body: dict[str, Any], kind: str) -> str | None:
+    """The start of the prompt, for prefix-affinity routing."""
+    if kind == "chat":
+        parts = []
+        for message in body.get("messages") or []:
+            if isinstance(message, dict) and isinstance(message.get("content"), str):
+                parts.append(message["content"])
+            if sum(map(len, parts)) >= 256:
+                break
+        return "\n".join(parts)[:256] or None
+    prompt = body.get("prompt")
+    return prompt[:256] if isinstance(prompt, str) and prompt else None
+
+
+def take_usage(events: bytes, *, keep: bool) -> tuple[bytes, dict[str, Any] | None]:
+    """Find the usage event among complete SSE events; drop it unless the client asked."""
+    usage = None
+    kept = []
+    for event in events.split(b"\n\n"):
+        if not event:
+            continue
+        if event.startswith(b"data: {") and b'"choices":[]' in event and b'"usage"' in event:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                usage = orjson.loads(event[6:]).get("usage")
+            if not keep:
+                continue
+        kept.append(event + b"\n\n")
+    return b"".join(kept), usage
+
+
+gateway = Gateway()

@@ -1,0 +1,31 @@
+"""The gateway's Prometheus metrics (served at /metrics). Labels stay low-cardinality:
+model, deployment, status code; never a request id or a key."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0)
+
+REQUESTS = Counter("fleetplane_gateway_requests_total", "Requests answered by the gateway",
+                   ["model", "deployment", "status"])
+IN_FLIGHT = Gauge("fleetplane_gateway_in_flight_requests",
+                  "Requests being relayed to a replica", ["model"])
+QUEUE_DEPTH = Gauge("fleetplane_gateway_queue_depth",
+                    "Requests waiting for a replica at the gateway", ["model"])
+TTFT = Histogram("fleetplane_gateway_time_to_first_token_seconds",
+                 "From the request's arrival to the first byte of the answer", ["model"],
+                 buckets=LATENCY_BUCKETS)
+ITL = Histogram("fleetplane_gateway_inter_token_latency_seconds",
+                "Between streamed chunks", ["model"], buckets=LATENCY_BUCKETS)
+E2E = Histogram("fleetplane_gateway_request_duration_seconds",
+                "From the request's arrival to the end of the answer", ["model"],
+                buckets=LATENCY_BUCKETS)
+TOKENS = Counter("fleetplane_gateway_tokens_total", "Tokens, as reported by the engine",
+                 ["model", "kind"])
+RETRIES = Counter("fleetplane_gateway_retries_total",
+                  "Requests retried on another replica before their first byte", ["model"])
+UPSTREAM_ERRORS = Counter("fleetplane_gateway_upstream_errors_total",
+                          "Failed connections or broken streams to replicas",
+                          ["model", "deployment"])

@@ -1,0 +1,84 @@
+"""Usage records, written in batches off the hot path.
+
+The gateway appends a record to an in-memory buffer; a background task writes the buffer
+with one bulk insert every USAGE_FLUSH_SECONDS (or at once when it is large).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+logger = logging.getLogger(__name__)
+FLUSH_AT = 1000
+
+
+@dataclass
+class Usage:
+    at: datetime
+    request_id: str
+    key_id: int | None
+    model: str
+    deployment: str
+    replica: str
+    status: int
+    stream: bool
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    queue_ms: float
+    ttft_ms: float | None
+    itl_ms: float | None
+    e2e_ms: float
+
+
+class UsageWriter:
+    def __init__(self) -> None:
+        self.buffer: list[Usage] = []
+        self.task: asyncio.Task[None] | None = None
+        self.wake = asyncio.Event()
+
+    def add(self, usage: Usage) -> None:
+        self.buffer.append(usage)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self.run())
+        if len(self.buffer) >= FLUSH_AT:
+            self.wake.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=settings.USAGE_FLUSH_SECONDS)
+            except TimeoutError:
+                pass
+            self.wake.clear()
+            await self.flush()
+
+    async def flush(self) -> int:
+        batch, self.buffer = self.buffer, []
+        if not batch:
+            return 0
+        try:
+            await sync_to_async(write_batch, thread_sensitive=False)(batch)
+        except Exception:
+            logger.exception("could not write %d usage records", len(batch))
+            return 0
+        return len(batch)
+
+
+def write_batch(batch: list[Usage]) -> None:
+    from django.db import close_old_connections
+
+    from serving.models import UsageRecord
+
+    close_old_connections()
+    UsageRecord.objects.bulk_create(
+        [UsageRecord(at=u.at, request_id=u.request_id, key_id=u.key_id, model=u.model,
+                     deployment=u.deployment, replica=u.replica, status=u.status,
+                     stream=u.stream, prompt_tokens=u.prompt_tokens,
+                     completion_tokens=u.completion_tokens, queue_ms=u.queue_ms,
+                     ttft_ms=u.ttft_ms, itl_ms=u.itl_ms, e2e_ms=u.e2e_ms) for u in batch])

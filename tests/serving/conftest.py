@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from serving.routes import Pool, RouteReplica, build_table, routes
+from tests.product import ROOT, free_port
+
+
+@dataclass
+class FakeEngine:
+    """A FAKE engine process (fakes/engine.py) on a free port."""
+
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        line = next(line for line in text.splitlines() if line.startswith(name))
+        return float(line.rsplit(" ", 1)[-1])
+
+
+def start_fake_engine(name: str, model: str = "fake", interval_ms: float = 5) -> FakeEngine:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fakes.engine", "--port", str(port), "--model", model,
+         "--token-interval-ms", str(interval_ms)], cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return FakeEngine(name, url, process)
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("the fake engine did not start")
+
+
+@pytest.fixture
+def fake_engines() -> Iterator[Callable[..., FakeEngine]]:
+    started: list[FakeEngine] = []
+
+    def start(name: str, **options: object) -> FakeEngine:
+        engine = start_fake_engine(name, **options)  # type: ignore[arg-type]
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.process.kill()
+        engine.process.wait(timeout=10)
+
+
+def publish(deployment: str, engines: list[FakeEngine], *, served: str = "fake",
+            policy: str = "least-load", names: tuple[str, ...] = ()) -> None:
+    pool = Pool(deployment=deployment, served_model_name=served, policy=policy,
+                max_model_len=2048,
+                replicas=tuple(RouteReplica(e.name, e.url) for e in engines),
+                names=names or (served, deployment))
+    routes.publish(build_table([pool], version=0))
+
+
+@pytest.fixture(scope="session")
+def gateway_url() -> Iterator[str]:
+    """The control plane's ASGI application (gateway included) in uvicorn, in this
+    process, so tests can hand it route tables."""
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config("controlplane.asgi:application", host="127.0.0.1", port=port,
+                            log_level="warning", lifespan="off", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield url
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def empty_route_table() -> Iterator[None]:
+    routes.publish(build_table([], version=0))
+    yield
+    routes.publish(build_table([], version=0))
