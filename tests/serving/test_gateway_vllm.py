@@ -1,0 +1,154 @@
+"""OpenAI compatibility: the official `openai` client, unchanged, through the gateway to the
+real vLLM CPU server with the real demo model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from serving.models import ApiKey
+from serving.routes import Pool, RouteReplica, build_table, routes
+from tests.factories import make_api_key
+from tests.product import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="session")
+def vllm_url(demo_model_folder: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[str]:
+    """One real vLLM server (CPU build, eager mode for a quicker start) for the session."""
+    port = free_port()
+    log = (tmp_path_factory.mktemp("vllm") / "server.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+         str(demo_model_folder), "--served-model-name", MODEL, "--port", str(port),
+         "--max-model-len", "1024", "--enforce-eager", "--disable-uvicorn-access-log"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {process.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            raise RuntimeError("vLLM did not become healthy in 600 s")
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture
+def key(vllm_url: str) -> str:
+    routes.publish(build_table([Pool(deployment="smollm2", served_model_name=MODEL,
+                                     policy="least-load", max_model_len=1024,
+                                     replicas=(RouteReplica("smollm2-1", vllm_url),),
+                                     names=(MODEL, "demo-alias"))], version=0))
+    return make_api_key(ApiKey.Scope.INFERENCE)
+
+
+def sync_client(gateway_url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway_url}/v1", api_key=key, max_retries=0,
+                         timeout=120)
+
+
+QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_a_chat_completion_answers_with_paris(gateway_url: str, key: str) -> None:
+    answer = sync_client(gateway_url, key).chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=16)
+    assert "Paris" in (answer.choices[0].message.content or "")
+    assert answer.usage is not None and answer.usage.completion_tokens > 0
+
+
+def test_a_streamed_chat_gives_the_same_answer(gateway_url: str, key: str) -> None:
+    stream = sync_client(gateway_url, key).chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=16, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_an_alias_reaches_the_model(gateway_url: str, key: str) -> None:
+    answer = sync_client(gateway_url, key).completions.create(
+        model="demo-alias", prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert answer.model == MODEL
+
+
+def test_the_async_client_streams_and_not(gateway_url: str, key: str) -> None:
+    async def run() -> tuple[str, str]:
+        client = openai.AsyncOpenAI(base_url=f"{gateway_url}/v1", api_key=key,
+                                    max_retries=0, timeout=120)
+        whole = await client.completions.create(model=MODEL, prompt="1, 2, 3,",
+                                                max_tokens=8, temperature=0)
+        stream = await client.completions.create(model=MODEL, prompt="1, 2, 3,",
+                                                 max_tokens=8, temperature=0, stream=True)
+        parts = [chunk.choices[0].text async for chunk in stream if chunk.choices]
+        await client.close()
+        return whole.choices[0].text, "".join(parts)
+
+    whole, streamed = asyncio.run(run())
+    assert whole == streamed
+    assert whole
+
+
+def test_n_stop_seed_logprobs_and_max_completion_tokens(gateway_url: str, key: str) -> None:
+    client = sync_client(gateway_url, key)
+    several = client.completions.create(model=MODEL, prompt="Once upon a time", n=2,
+                                        max_tokens=5, seed=7, temperature=1.0)
+    assert len(several.choices) == 2
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=30,
+                                        temperature=0, stop=[","])
+    assert "," not in stopped.choices[0].text
+    with_logprobs = client.chat.completions.create(model=MODEL, messages=QUESTION,
+                                                   max_completion_tokens=4, logprobs=True,
+                                                   top_logprobs=2, temperature=0)
+    content = with_logprobs.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and len(content[0].top_logprobs) == 2
+    assert with_logprobs.usage is not None and with_logprobs.usage.completion_tokens <= 4
+
+
+def test_response_format_json_object(gateway_url: str, key: str) -> None:
+    answer = sync_client(gateway_url, key).chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=40, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give a JSON object with a key city."}])
+    json.loads(answer.choices[0].message.content or "")
+
+
+def test_a_prompt_longer_than_the_context_is_a_bad_request(gateway_url: str,
+                                                           key: str) -> None:
+    with pytest.raises(openai.BadRequestError):
+        sync_client(gateway_url, key).completions.create(model=MODEL, prompt="word " * 2000,
+                                                         max_tokens=5)
+
+
+def test_embeddings_on_a_generative_model_are_a_clear_error(gateway_url: str,
+                                                            key: str) -> None:
+    with pytest.raises(openai.APIStatusError) as error:
+        sync_client(gateway_url, key).embeddings.create(model=MODEL, input="hello")
+    assert 400 <= error.value.status_code < 500
