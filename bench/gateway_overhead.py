@@ -43,6 +43,8 @@ class Run:
     errors: int
 
     def p(self, q: float) -> float:
+        if not self.ttfts:
+            return float("nan")
         ordered = sorted(self.ttfts)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
@@ -72,7 +74,11 @@ async def load(url: str, model: str, streams: int, tokens: int, key: str | None,
                                             headers=headers) as response:
                         if response.status != 200:
                             errors += 1
-                            await response.read()
+                            if errors == 1:
+                                print(f"{url}: HTTP {response.status} "
+                                      f"{(await response.read())[:300]!r}", flush=True)
+                            else:
+                                await response.read()
                             continue
                         async for line in response.content:
                             if not line.startswith(b"data: {"):
@@ -108,10 +114,10 @@ def compare(label: str, direct_url: str, gateway_url: str, model: str, streams: 
     return direct, through
 
 
-def start_engine(interval_ms: float) -> tuple[subprocess.Popen[bytes], str]:
+def start_engine(interval_ms: float, model: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "fakes.engine", "--port", str(port),
-                                "--model", "fake", "--token-interval-ms", str(interval_ms)],
+                                "--model", model, "--token-interval-ms", str(interval_ms)],
                                cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 30)
@@ -183,8 +189,8 @@ def main() -> None:
     processes: list[subprocess.Popen[bytes]] = []
     summary: list[str] = []
     try:
-        paced, paced_url = start_engine(10.0)
-        unpaced, unpaced_url = start_engine(0.0)
+        paced, paced_url = start_engine(10.0, "fake")
+        unpaced, unpaced_url = start_engine(0.0, "fast")
         processes += [paced, unpaced]
         product.route("fake", paced_url)
         product.route("fast", unpaced_url)
@@ -194,7 +200,6 @@ def main() -> None:
             summary.append(f"paced {streams}: +{through.p(0.5) - direct.p(0.5):.2f}/"
                            f"+{through.p(0.99) - direct.p(0.99):.2f} ms, "
                            f"x{through.rate / direct.rate:.3f}")
-        # The unpaced engine answers as fast as it can; rename its model for the direct path.
         direct, through = compare("unpaced", unpaced_url, product.url, "fast", 64, 256,
                                   product.key, rounds)
         summary.append(f"unpaced 64: x{through.rate / direct.rate:.3f}")

@@ -105,6 +105,9 @@ else:
             "NAME": DATA_DIR / "db.sqlite3",
             # Several threads (the ASGI server, importers) share this file.
             "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+            # Tests use a file too: an in-memory database shared between threads fails
+            # with "table is locked" where a file waits for its lock.
+            "TEST": {"NAME": str(DATA_DIR / "test-db.sqlite3")},
         }
     }
 if not DEBUG and str(DATABASES["default"]["ENGINE"]).endswith("sqlite3") and not env_bool(

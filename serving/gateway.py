@@ -300,8 +300,9 @@ class Gateway:
             out_headers = [*headers, (b"content-type", content_type.encode())]
             if stream and status == 200:
                 out_headers.append((b"cache-control", b"no-cache"))
-                usage = await self.relay_stream(send, receive, response, out_headers,
-                                                wants_usage, timing, model, pool, replica)
+                usage, completed = await self.relay_stream(
+                    send, receive, response, out_headers, wants_usage, timing, model, pool,
+                    replica)
             else:
                 payload = await response.read()
                 timing.first_byte = timing.last_chunk = time.perf_counter()
@@ -310,7 +311,9 @@ class Gateway:
                     with contextlib.suppress(orjson.JSONDecodeError):
                         parsed = orjson.loads(payload)
                         usage = parsed.get("usage") if isinstance(parsed, dict) else None
-            self.router.succeeded(replica.name)
+                completed = True
+            if completed:
+                self.router.succeeded(replica.name)
         finally:
             response.release()
             self.router.state(replica.name).in_flight -= 1
@@ -321,70 +324,73 @@ class Gateway:
                            response: aiohttp.ClientResponse,
                            headers: list[tuple[bytes, bytes]], wants_usage: bool,
                            timing: Timing, model: str, pool: Pool,
-                           replica: RouteReplica) -> dict[str, Any] | None:
+                           replica: RouteReplica) -> tuple[dict[str, Any] | None, bool]:
+        """Relay a stream; returns the usage it carried and whether it ended cleanly."""
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        usage: dict[str, Any] | None = None
-        pending = b""
-        disconnected = asyncio.get_running_loop().create_future()
-
-        async def watch_disconnect() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    disconnected.set_result(True)
-                    return
-
-        watcher = asyncio.get_running_loop().create_task(watch_disconnect())
+        found: dict[str, Any] = {}
+        loop = asyncio.get_running_loop()
+        # Two tasks per stream, none per chunk: one relays, one waits for the client to go.
+        pump = loop.create_task(self.pump(send, response, wants_usage, timing, found))
+        watcher = loop.create_task(wait_for_disconnect(receive))
         try:
-            content = response.content
-            while True:
-                read = asyncio.ensure_future(content.readany())
-                done, _ = await asyncio.wait({read, disconnected},
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if disconnected in done:
-                    read.cancel()
-                    response.close()  # the engine sees the disconnect and frees the KV cache
-                    return usage
-                chunk = read.result()
-                if not chunk:
-                    break
-                now = time.perf_counter()
-                if timing.chunks == 0:
-                    timing.first_byte = now
-                else:
-                    timing.gaps += now - timing.last_chunk
-                timing.last_chunk = now
-                timing.chunks += 1
-                data = pending + chunk
-                cut = data.rfind(b"\n\n")
-                if cut < 0:
-                    pending = data
-                    continue
-                complete, pending = data[: cut + 2], data[cut + 2:]
-                if b'"usage"' in complete and b'"choices":[]' in complete:
-                    complete, usage = take_usage(complete, keep=wants_usage)
-                if complete:
-                    await send({"type": "http.response.body", "body": complete,
-                                "more_body": True})
-            if pending:
-                await send({"type": "http.response.body", "body": pending, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            self.router.failed(replica.name)
-            metrics.UPSTREAM_ERRORS.labels(model, pool.deployment).inc()
-            error = {"error": {"message": f"the replica failed mid-stream "
-                                          f"({exc.__class__.__name__})",
-                               "type": "upstream_error", "code": 502}}
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body",
-                            "body": b"data: " + orjson.dumps(error) + b"\n\n",
-                            "more_body": False})
+            await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
+            pump.cancel()
             response.close()
             raise
         finally:
             watcher.cancel()
-        return usage
+        if not pump.done():  # the client went away: the engine sees it and frees its cache
+            pump.cancel()
+            response.close()
+            return found.get("usage"), True
+        error = pump.exception()
+        if isinstance(error, aiohttp.ClientError | TimeoutError):
+            self.router.failed(replica.name)
+            metrics.UPSTREAM_ERRORS.labels(model, pool.deployment).inc()
+            event = {"error": {"message": f"the replica failed mid-stream "
+                                          f"({error.__class__.__name__})",
+                               "type": "upstream_error", "code": 502}}
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body",
+                            "body": b"data: " + orjson.dumps(event) + b"\n\n",
+                            "more_body": False})
+            return found.get("usage"), False
+        elif error is not None:
+            raise error
+        return found.get("usage"), True
+
+    @staticmethod
+    async def pump(send: Send, response: aiohttp.ClientResponse, wants_usage: bool,
+                   timing: Timing, found: dict[str, Any]) -> None:
+        """Relay the upstream as it arrives: whatever bytes are buffered, in one write."""
+        pending = b""
+        content = response.content
+        while True:
+            chunk = await content.readany()
+            if not chunk:
+                break
+            now = time.perf_counter()
+            if timing.chunks == 0:
+                timing.first_byte = now
+            else:
+                timing.gaps += now - timing.last_chunk
+            timing.last_chunk = now
+            timing.chunks += 1
+            data = pending + chunk if pending else chunk
+            cut = data.rfind(b"\n\n")
+            if cut < 0:
+                pending = data
+                continue
+            if cut + 2 == len(data):
+                complete, pending = data, b""
+            else:
+                complete, pending = data[: cut + 2], data[cut + 2:]
+            if b'"usage"' in complete and b'"choices":[]' in complete:
+                complete, found["usage"] = take_usage(complete, keep=wants_usage)
+            if complete:
+                await send({"type": "http.response.body", "body": complete, "more_body": True})
+        await send({"type": "http.response.body", "body": pending, "more_body": False})
 
     def record(self, key: KeyInfo, model: str, pool: Pool, replica: str, status: int,
                stream: bool, usage: dict[str, Any] | None, timing: Timing,
@@ -420,6 +426,11 @@ class Gateway:
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        continue
 
 
 def header(scope: Scope, name: bytes) -> str | None:

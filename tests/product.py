@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,24 +38,26 @@ def manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def start_server(env: dict[str, str], port: int) -> tuple[subprocess.Popen[str], str]:
+    """Start `manage.py serve`; return once /healthz answers, with what it printed."""
     process = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port)],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
-    assert process.stdout is not None
     lines: list[str] = []
+    # Read everything it prints, so a full pipe never blocks the server.
+    threading.Thread(target=lambda: lines.extend(process.stdout or []), daemon=True).start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        lines.append(line)
-        if "Uvicorn running" in line or process.poll() is not None:
-            break
-    output = "".join(lines)
-    assert "Uvicorn running" in output, output
-    # Keep reading so a full pipe never blocks the server.
-    import threading
-
-    threading.Thread(target=lambda: [None for _ in process.stdout or []], daemon=True).start()
-    return process, output
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                settle = time.monotonic() + 2  # the start-up lines come before the server
+                while not any("Log in as" in line for line in lines) and \
+                        time.monotonic() < settle:
+                    time.sleep(0.05)
+                return process, "".join(lines)
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    process.kill()
+    raise AssertionError("manage.py serve did not answer /healthz:\n" + "".join(lines))
 
 
 def stop_server(process: subprocess.Popen[str]) -> None:

@@ -204,7 +204,7 @@ def test_no_ready_replica_is_503_with_retry_after(gateway_url: str, key: str) ->
 def test_a_dead_replica_before_the_first_byte_is_retried_on_another(
     gateway_url: str, key: str, fake_engines: Engines
 ) -> None:
-    dead, alive = fake_engines("demo-1"), fake_engines("demo-2")
+    dead, alive = fake_engines("dead-1"), fake_engines("alive-1")
     dead.process.kill()
     dead.process.wait()
     publish("demo", [dead, alive], policy="round-robin")
@@ -219,8 +219,8 @@ def test_a_dead_replica_before_the_first_byte_is_retried_on_another(
 def test_killing_the_replica_a_stream_is_on_ends_that_stream_with_an_error_event(
     gateway_url: str, key: str, fake_engines: Engines
 ) -> None:
-    first, second = fake_engines("demo-1", interval_ms=20), fake_engines("demo-2",
-                                                                         interval_ms=20)
+    first = fake_engines("kill-1", interval_ms=20)
+    second = fake_engines("kill-2", interval_ms=20)
     publish("demo", [first, second], policy="round-robin")
     events: list[str] = []
     with httpx.stream("POST", f"{gateway_url}/v1/completions", timeout=30,
