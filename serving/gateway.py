@@ -304,7 +304,13 @@ class Gateway:
                     send, receive, response, out_headers, wants_usage, timing, model, pool,
                     replica)
             else:
-                payload = await response.read()
+                payload = await read_unless_gone(response, receive)
+                if payload is None:  # the client went away; closing tells the engine
+                    response.close()
+                    status = 499
+                    self.record(key, model, pool, replica.name, status, stream, None, timing,
+                                request_id)
+                    return
                 timing.first_byte = timing.last_chunk = time.perf_counter()
                 await respond(send, status, payload, out_headers)
                 if status == 200:
@@ -316,7 +322,7 @@ class Gateway:
                 self.router.succeeded(replica.name)
         finally:
             response.release()
-            self.router.state(replica.name).in_flight -= 1
+            state.in_flight -= 1
             metrics.IN_FLIGHT.labels(model).dec()
         self.record(key, model, pool, replica.name, status, stream, usage, timing, request_id)
 
@@ -431,6 +437,21 @@ class Gateway:
 async def wait_for_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         continue
+
+
+async def read_unless_gone(response: aiohttp.ClientResponse, receive: Receive) -> bytes | None:
+    """The whole upstream body, or None when the client disconnects first."""
+    loop = asyncio.get_running_loop()
+    reading = loop.create_task(response.read())
+    watcher = loop.create_task(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({reading, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not reading.done():
+        reading.cancel()
+        return None
+    return reading.result()
 
 
 def header(scope: Scope, name: bytes) -> str | None:
