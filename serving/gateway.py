@@ -138,13 +138,19 @@ class Gateway:
                 if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
                     with contextlib.suppress(ValueError):
                         total += float(line.rsplit(" ", 1)[-1])
-            self.router.state(replica.name).scraped = int(total)
+            state = self.router.state(replica.name)
+            state.scraped = int(total)
+            if state.failures:
+                # Active health: a replica that answers again is taken back in.
+                self.router.succeeded(replica.name)
 
         await asyncio.gather(*(one(r) for r in replicas.values()))
 
     # --- ASGI ------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.background is None or self.background.done():
+            self.http()  # starts the load watcher, which also follows the route table
         request_id = header(scope, b"x-request-id") or uuid.uuid4().hex
         base_headers = [(b"x-request-id", request_id.encode())]
         try:

@@ -1,12 +1,14 @@
 """API keys on the hot path: an in-memory cache in front of the database.
 
 A key is looked up once, then served from memory. Any change to a key (create, revoke,
-delete) clears this process's cache at once; other processes re-read a cached entry after
-KEY_CACHE_SECONDS at most.
+delete) clears this process's cache at once; other processes refresh an entry older than
+KEY_CACHE_SECONDS in the background, so a key revoked elsewhere is refused from the next
+request after that refresh. Concurrent requests with an unseen key share one lookup.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from dataclasses import dataclass
@@ -29,7 +31,10 @@ class KeyInfo:
         return not self.allowed_models or any(n in self.allowed_models for n in names)
 
 
+# key hash -> (what the database said, when it said it)
 _cache: dict[str, tuple[KeyInfo | None, float]] = {}
+# key hash -> the lookup in flight, shared by every request that needs it meanwhile
+_lookups: dict[str, asyncio.Future[KeyInfo | None]] = {}
 
 
 def clear_cache(**kwargs: object) -> None:
@@ -47,16 +52,43 @@ def _lookup(key_hash: str) -> KeyInfo | None:
     return KeyInfo(record.pk, record.name, record.scope, tuple(record.allowed_models or ()))
 
 
+async def _fetch(key_hash: str) -> KeyInfo | None:
+    """One database lookup per key at a time, however many requests wait for it."""
+    pending = _lookups.get(key_hash)
+    if pending is not None:
+        return await pending
+    future: asyncio.Future[KeyInfo | None] = asyncio.get_running_loop().create_future()
+    _lookups[key_hash] = future
+    try:
+        info = await sync_to_async(_lookup, thread_sensitive=False)(key_hash)
+    except BaseException as exc:
+        future.set_exception(exc)
+        future.exception()  # retrieved here, so an unawaited future logs nothing
+        raise
+    finally:
+        _lookups.pop(key_hash, None)
+    if len(_cache) > 100_000:
+        _cache.clear()
+    _cache[key_hash] = (info, time.monotonic())
+    future.set_result(info)
+    return info
+
+
 async def authenticate(key: str) -> KeyInfo | None:
     key_hash = hashlib.sha256(key.encode()).hexdigest()
     cached = _cache.get(key_hash)
-    now = time.monotonic()
-    if cached is not None and cached[1] > now:
-        return cached[0]
-    info = await sync_to_async(_lookup, thread_sensitive=False)(key_hash)
-    # Unknown keys are remembered briefly too, so a client retrying a bad key cannot make
-    # every request a database query.
-    _cache[key_hash] = (info, now + settings.KEY_CACHE_SECONDS)
-    if len(_cache) > 100_000:
-        _cache.clear()
+    if cached is None:
+        # Unknown keys are remembered too, so retrying a bad key cannot make every
+        # request a database query.
+        return await _fetch(key_hash)
+    info, fetched = cached
+    if time.monotonic() - fetched > settings.KEY_CACHE_SECONDS and key_hash not in _lookups:
+        # Serve what is known and refresh in the background: no request waits for the
+        # database once its key has been seen.
+        task = asyncio.get_running_loop().create_task(_fetch(key_hash))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
     return info
+
+
+_background: set[asyncio.Task[KeyInfo | None]] = set()

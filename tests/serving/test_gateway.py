@@ -150,17 +150,25 @@ def test_an_unknown_model_is_404(gateway_url: str, key: str) -> None:
     assert error.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"model": "fake", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"model": "fake", "prompt": "hi", "temperature": 7}, "temperature"),
-    ({"model": "fake", "prompt": "hi", "n": "two"}, "n"),
-    ({"model": "fake"}, "prompt"),
-    ({"prompt": "hi"}, "model"),
-    ({"model": "fake", "prompt": "hi", "stream_options": {"include_usage": True}},
-     "stream_options"),
+@pytest.mark.parametrize(("arguments", "param"), [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "temperature": 7}, "temperature"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "extra_body": {"n": "two"}}, "n"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
 ])
-def test_invalid_parameters_are_400_naming_the_field(gateway_url: str, key: str,
-                                                     body: dict[str, Any], param: str) -> None:
+def test_invalid_parameters_are_bad_requests_naming_the_field(
+    gateway_url: str, key: str, arguments: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        client(gateway_url, key).completions.create(model="fake", **arguments)
+    assert error.value.param == param
+
+
+@pytest.mark.parametrize(("body", "param"), [({"model": "fake"}, "prompt"),
+                                             ({"prompt": "hi"}, "model")])
+def test_missing_fields_are_400_naming_the_field(gateway_url: str, key: str,
+                                                 body: dict[str, Any], param: str) -> None:
     response = httpx.post(f"{gateway_url}/v1/completions", json=body,
                           headers={"Authorization": f"Bearer {key}"})
     assert response.status_code == 400
@@ -183,11 +191,10 @@ def test_malformed_json_is_400(gateway_url: str, key: str) -> None:
 
 def test_a_body_over_the_limit_is_413(gateway_url: str, key: str, settings: Any) -> None:
     settings.GATEWAY_MAX_BODY_BYTES = 4096
-    response = httpx.post(f"{gateway_url}/v1/completions",
-                          json={"model": "fake", "prompt": "x" * 10_000},
-                          headers={"Authorization": f"Bearer {key}"})
-    assert response.status_code == 413
-    assert response.json()["error"]["code"] == "request_too_large"
+    with pytest.raises(openai.APIStatusError) as error:
+        client(gateway_url, key).completions.create(model="fake", prompt="x" * 10_000)
+    assert error.value.status_code == 413
+    assert error.value.body["code"] == "request_too_large"  # type: ignore[index]
 
 
 def test_no_ready_replica_is_503_with_retry_after(gateway_url: str, key: str) -> None:
