@@ -139,9 +139,9 @@ def wait_healthy(url: str, timeout: float) -> None:
 class Product:
     """The control plane, with engines registered as external deployments."""
 
-    def __init__(self) -> None:
+    def __init__(self, **extra_env: str) -> None:
         data = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
-        self.env = product_env(data / "data", LOG_LEVEL="WARNING")
+        self.env = product_env(data / "data", LOG_LEVEL="WARNING", **extra_env)
         manage(self.env, "migrate", "--noinput", "-v0")
         self.admin = manage(self.env, "create_api_key", "--name", "bench", "--scope",
                             "admin").stdout.strip().splitlines()[-1]
@@ -183,9 +183,11 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="also measure the real vLLM CPU "
                         "server with the demo model (starts one, about 2 minutes)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for the control plane under test")
     options = parser.parse_args()
     rounds = 1 if options.quick else 3
-    product = Product()
+    product = Product(**dict(item.split("=", 1) for item in options.env))
     processes: list[subprocess.Popen[bytes]] = []
     summary: list[str] = []
     try:

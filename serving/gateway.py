@@ -26,7 +26,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from serving import metrics
-from serving.keys import KeyInfo, authenticate
+from serving.keys import KeyInfo, authenticate, follow_key_changes
 from serving.router import Router
 from serving.routes import Pool, RouteReplica, routes
 from serving.usage import Usage, UsageWriter
@@ -98,8 +98,10 @@ class Gateway:
         routing, and follow the route table in Redis when the controller runs elsewhere."""
         while True:
             try:
-                if settings.REDIS_URL and not routes.publishes_locally:
-                    await self.load_routes_from_redis()
+                if settings.REDIS_URL:
+                    await follow_key_changes()
+                    if not routes.publishes_locally:
+                        await self.load_routes_from_redis()
                 await self.scrape_load()
             except Exception:
                 logger.exception("load watcher failed; trying again")

@@ -1,15 +1,17 @@
 """API keys on the hot path: an in-memory cache in front of the database.
 
 A key is looked up once, then served from memory. Any change to a key (create, revoke,
-delete) clears this process's cache at once; other processes refresh an entry older than
-KEY_CACHE_SECONDS in the background, so a key revoked elsewhere is refused from the next
-request after that refresh. Concurrent requests with an unseen key share one lookup.
+delete) clears this process's cache at once and, with REDIS_URL set, every other gateway
+process's within GATEWAY_LOAD_SCRAPE_SECONDS. Besides, an entry older than
+KEY_CACHE_SECONDS is refreshed in the background. Concurrent requests with an unseen key
+share one lookup; no request waits for the database once its key has been seen.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,6 +20,8 @@ from django.conf import settings
 from django.db.models.signals import post_delete, post_save
 
 from serving.models import ApiKey
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,42 @@ _cache: dict[str, tuple[KeyInfo | None, float]] = {}
 _lookups: dict[str, asyncio.Future[KeyInfo | None]] = {}
 
 
+KEYS_VERSION_KEY = "fleetplane:keys-version"
+_seen_version: list[bytes | str | None] = [None]
+
+
 def clear_cache(**kwargs: object) -> None:
+    """A key changed: forget every cached key here, and tell other gateway processes
+    through Redis (they check every GATEWAY_LOAD_SCRAPE_SECONDS)."""
     _cache.clear()
+    if settings.REDIS_URL:
+        from django.db import transaction
+
+        transaction.on_commit(_bump_version)
+
+
+def _bump_version() -> None:
+    import redis
+
+    try:
+        redis.Redis.from_url(str(settings.REDIS_URL)).incr(KEYS_VERSION_KEY)
+    except Exception:
+        logger.exception("could not tell other gateways that a key changed")
+
+
+async def follow_key_changes() -> None:
+    """Clear the cache when another process changed a key (REDIS_URL set)."""
+    import redis.asyncio as redis
+
+    connection = redis.Redis.from_url(str(settings.REDIS_URL))
+    try:
+        version = await connection.get(KEYS_VERSION_KEY)
+    finally:
+        await connection.aclose()
+    if version != _seen_version[0]:
+        if _seen_version[0] is not None or version is not None:
+            _cache.clear()
+        _seen_version[0] = version
 
 
 post_save.connect(clear_cache, sender=ApiKey, dispatch_uid="serving.keys.save")

@@ -284,3 +284,25 @@ def test_concurrent_streams_all_complete(gateway_url: str, key: str,
     for thread in threads:
         thread.join(timeout=60)
     assert results == [" tok" * 50] * 16
+
+
+def test_a_key_revoked_in_another_process_is_refused_through_redis(
+    gateway_url: str, key: str, fake_engines: Engines, settings: Any
+) -> None:
+    import redis
+
+    from serving import keys
+
+    settings.REDIS_URL = "redis://127.0.0.1:6379/7"
+    settings.GATEWAY_LOAD_SCRAPE_SECONDS = 0.2
+    publish("demo", [fake_engines("redis-1")])
+    openai_client = client(gateway_url, key)
+    openai_client.completions.create(model="fake", prompt="hi", max_tokens=1)
+    # Another process revokes the key: this process only hears of it through Redis.
+    ApiKey.objects.filter(key_hash=ApiKey.objects.get().key_hash).update(
+        revoked_at="2026-01-01T00:00:00Z")
+    openai_client.completions.create(model="fake", prompt="hi", max_tokens=1)  # cached
+    redis.Redis.from_url(settings.REDIS_URL).incr(keys.KEYS_VERSION_KEY)
+    time.sleep(1.5)
+    with pytest.raises(openai.AuthenticationError):
+        openai_client.completions.create(model="fake", prompt="hi", max_tokens=1)
