@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -22,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import yarl
 from django.conf import settings
 from django.utils import timezone
 
@@ -86,6 +88,7 @@ class Gateway:
                                              keepalive_timeout=60, enable_cleanup_closed=True)
             self.client = aiohttp.ClientSession(
                 connector=connector, auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),  # replicas set no cookies worth keeping
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
         if self.background is None or self.background.done():
             self.background = asyncio.get_running_loop().create_task(self.watch_load())
@@ -276,7 +279,7 @@ class Gateway:
             state.in_flight += 1
             timing.sent = time.perf_counter()
             try:
-                response = await client.post(f"{replica.url}{path}", data=raw,
+                response = await client.post(upstream_url(replica.url, path), data=raw,
                                              headers=upstream_headers)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 state.in_flight -= 1
@@ -440,6 +443,12 @@ class Gateway:
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def upstream_url(base: str, path: str) -> yarl.URL:
+    """Parsed once per replica and path, not once per request."""
+    return yarl.URL(base + path)
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
