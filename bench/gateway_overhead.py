@@ -100,8 +100,9 @@ async def load(url: str, model: str, streams: int, tokens: int, key: str | None,
 
 def compare(label: str, direct_url: str, gateway_url: str, model: str, streams: int,
             tokens: int, key: str, rounds: int) -> tuple[Run, Run]:
-    asyncio.run(load(direct_url, model, min(streams, 4), 8, None, 1))  # warm both paths
-    asyncio.run(load(gateway_url, model, min(streams, 4), 8, key, 1))
+    # Warm both paths at the measured concurrency, so both measure warm connection pools.
+    asyncio.run(load(direct_url, model, streams, 8, None, 1))
+    asyncio.run(load(gateway_url, model, streams, 8, key, 1))
     direct = asyncio.run(load(direct_url, model, streams, tokens, None, rounds))
     through = asyncio.run(load(gateway_url, model, streams, tokens, key, rounds))
     print(f"{label}: {streams} streams x {tokens} tokens | direct TTFT p50 "
