@@ -32,7 +32,14 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.product import free_port, manage, product_env, start_server, stop_server  # noqa: E402
+from tests.product import (  # noqa: E402
+    free_port,
+    manage,
+    product_env,
+    start_server,
+    stop_server,
+    wait_healthy,
+)
 
 
 @dataclass
@@ -123,18 +130,6 @@ def start_engine(interval_ms: float, model: str) -> tuple[subprocess.Popen[bytes
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 30)
     return process, url
-
-
-def wait_healthy(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} did not become healthy")
 
 
 class Product:

@@ -6,9 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.db import close_old_connections
+
+if TYPE_CHECKING:  # the reconciler needs the app registry; it is imported when it runs
+    from controlplane.reconciler import Reconciler
 
 logger = logging.getLogger(__name__)
 
@@ -20,13 +24,11 @@ def request_reconcile() -> None:
     _reconcile_requested.set()
 
 
-def _one_pass(reconciler: object) -> None:
-    from controlplane.reconciler import Reconciler
-
-    assert isinstance(reconciler, Reconciler)
-    close_old_connections()
+def _one_pass(reconciler: Reconciler) -> None:
+    """One reconcile pass, then the route table it leads to; runs in a worker thread."""
     from controlplane.routing import publish_routes
 
+    close_old_connections()
     try:
         result = reconciler.reconcile_all()
         if result.errors:

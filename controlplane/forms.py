@@ -8,10 +8,11 @@ from django import forms
 
 from controlplane.models import Backend
 from models_registry.models import Model
+from models_registry.services import NAME_PATTERN
 
 
 class DeploymentForm(forms.Form):
-    name = forms.RegexField(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", max_length=63,
+    name = forms.RegexField(NAME_PATTERN, max_length=63,
                             help_text="lower-case letters, digits, hyphens")
     model = forms.ModelChoiceField(queryset=Model.objects.filter(status=Model.Status.READY),
                                    to_field_name="name")

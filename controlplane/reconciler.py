@@ -23,7 +23,8 @@ from django.db.models import F
 from django.utils import timezone
 
 from controlplane.backends.base import BackendError, Observation, ReplicaBackend, backend_for
-from controlplane.models import AuditEvent, Deployment, Replica
+from controlplane.models import Deployment, Replica
+from controlplane.services import audit
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,8 @@ class PassResult:
 
 
 def event(deployment: Deployment | None, action: str, message: str, *,
-          replica: Replica | None = None, before: Any = None, after: Any = None,
-          actor: str = ACTOR) -> None:
-    AuditEvent.objects.create(deployment=deployment, action=action, message=message,
-                              replica_name=replica.name if replica else "", before=before,
-                              after=after, actor=actor)
+          replica: Replica | None = None) -> None:
+    audit(ACTOR, action, deployment, message, replica=replica.name if replica else "")
 
 
 class Reconciler:
@@ -113,9 +111,7 @@ class Reconciler:
                 for (_, replica, _), observation in zip(probed, results, strict=True):
                     observations[replica.pk] = observation
                     self.last_probe[replica.pk] = time.monotonic()
-            self.probed = {replica.pk for _, replica, _ in probed}
-        else:
-            self.probed = set()
+        self.probed = {replica.pk for _, replica, _ in probed}
         return observations
 
     def cleanup_orphans(self, deployments: list[Deployment]) -> None:
@@ -242,20 +238,19 @@ class Reconciler:
             # A ready replica that stops answering for a while is restarted.
             last = replica.last_health_at or replica.ready_at or now
             if now - last > timedelta(seconds=settings.HEALTH_FAILURE_SECONDS):
-                backend.stop(replica, force=True)
                 return self.crashed(deployment, backend, replica, now,
                                     reason=f"stopped answering /health ({message})")
             return False
         started = replica.started_at or now
         if now - started > timedelta(seconds=settings.REPLICA_STARTUP_TIMEOUT_SECONDS):
-            backend.stop(replica, force=True)
             return self.crashed(deployment, backend, replica, now, reason=(
                 f"not healthy {settings.REPLICA_STARTUP_TIMEOUT_SECONDS} s after start"))
         return False
 
     def crashed(self, deployment: Deployment, backend: ReplicaBackend, replica: Replica,
                 now: datetime, reason: str = "exited") -> bool:
-        backend.stop(replica, force=True)  # nothing of the group may linger
+        # Whatever the reason, nothing of the replica may linger (its engine processes).
+        backend.stop(replica, force=True)
         tail = backend.logs(replica, LOG_LINES_IN_ERRORS)
         detail = f"{replica.name} {reason}" + ("; last log lines:\n" + "\n".join(tail)
                                                if tail else "")
@@ -362,6 +357,7 @@ class Reconciler:
         Replica.objects.filter(pk__in=stopped).delete()
         for pk in stopped:
             self.last_probe.pop(pk, None)
+            self.known.discard(pk)
         return True
 
     # --- status ----------------------------------------------------------------------

@@ -32,4 +32,4 @@ def current_pools() -> list[Pool]:
 
 def publish_routes() -> bool:
     """Hand the gateway the current table (and Redis, when configured); True if changed."""
-    return routes.publish(build_table(current_pools(), version=0), settings.REDIS_URL)
+    return routes.publish(build_table(current_pools()), settings.REDIS_URL)

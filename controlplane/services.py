@@ -47,9 +47,11 @@ def ensure_local_admin() -> tuple[str, str | None]:
 
 
 def audit(actor: str, action: str, deployment: Deployment | None, message: str,
-          before: Any = None, after: Any = None) -> None:
+          before: Any = None, after: Any = None, *, replica: str = "") -> None:
+    """Record who changed what, or what a controller did and saw."""
     AuditEvent.objects.create(actor=actor, action=action, deployment=deployment,
-                              message=message, before=before, after=after)
+                              replica_name=replica, message=message, before=before,
+                              after=after)
 
 
 def spec_of(deployment: Deployment) -> dict[str, Any]:

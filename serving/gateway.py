@@ -69,9 +69,6 @@ class Timing:
     gaps: float = 0.0
     chunks: int = 0
 
-    def ms(self, value: float) -> float:
-        return (value - self.arrived) * 1000
-
 
 class Gateway:
     def __init__(self) -> None:
@@ -99,27 +96,28 @@ class Gateway:
     async def watch_load(self) -> None:
         """Scrape each routed replica's queue (vLLM's running + waiting) for least-load
         routing, and follow the route table in Redis when the controller runs elsewhere."""
+        redis_connection: Any = None
         while True:
             try:
                 if settings.REDIS_URL:
-                    await follow_key_changes()
+                    if redis_connection is None:
+                        import redis.asyncio as redis
+
+                        # One pooled connection for the life of the watcher.
+                        redis_connection = redis.Redis.from_url(str(settings.REDIS_URL))
+                    await follow_key_changes(redis_connection)
                     if not routes.publishes_locally:
-                        await self.load_routes_from_redis()
+                        await self.load_routes_from_redis(redis_connection)
                 await self.scrape_load()
             except Exception:
                 logger.exception("load watcher failed; trying again")
             await asyncio.sleep(settings.GATEWAY_LOAD_SCRAPE_SECONDS)
 
-    async def load_routes_from_redis(self) -> None:
-        import redis.asyncio as redis
-
+    @staticmethod
+    async def load_routes_from_redis(connection: Any) -> None:
         from serving.routes import REDIS_KEY
 
-        connection = redis.Redis.from_url(str(settings.REDIS_URL))
-        try:
-            text = await connection.get(REDIS_KEY)
-        finally:
-            await connection.aclose()
+        text = await connection.get(REDIS_KEY)
         if text:
             routes.load_json(text.decode() if isinstance(text, bytes) else str(text))
 

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -64,15 +65,9 @@ def _bump_version() -> None:
         logger.exception("could not tell other gateways that a key changed")
 
 
-async def follow_key_changes() -> None:
+async def follow_key_changes(connection: Any) -> None:
     """Clear the cache when another process changed a key (REDIS_URL set)."""
-    import redis.asyncio as redis
-
-    connection = redis.Redis.from_url(str(settings.REDIS_URL))
-    try:
-        version = await connection.get(KEYS_VERSION_KEY)
-    finally:
-        await connection.aclose()
+    version = await connection.get(KEYS_VERSION_KEY)
     if version != _seen_version[0]:
         if _seen_version[0] is not None or version is not None:
             _cache.clear()

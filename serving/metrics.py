@@ -12,8 +12,6 @@ REQUESTS = Counter("fleetplane_gateway_requests_total", "Requests answered by th
                    ["model", "deployment", "status"])
 IN_FLIGHT = Gauge("fleetplane_gateway_in_flight_requests",
                   "Requests being relayed to a replica", ["model"])
-QUEUE_DEPTH = Gauge("fleetplane_gateway_queue_depth",
-                    "Requests waiting for a replica at the gateway", ["model"])
 TTFT = Histogram("fleetplane_gateway_time_to_first_token_seconds",
                  "From the request's arrival to the first byte of the answer", ["model"],
                  buckets=LATENCY_BUCKETS)

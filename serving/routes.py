@@ -31,37 +31,27 @@ class Pool:
     served_model_name: str
     policy: str
     max_model_len: int | None
+    #: The ready, active replicas; empty while the deployment is stopped or starting.
     replicas: tuple[RouteReplica, ...]
-    #: True when the deployment exists but is stopped or has no ready replica.
+    #: Every model name a client may use for this deployment.
     names: tuple[str, ...] = ()
 
 
 @dataclass
 class RouteTable:
-    version: int = 0
     pools: dict[str, Pool] = field(default_factory=dict)  # by every name a client may use
 
     def pool_for(self, model: str) -> Pool | None:
         return self.pools.get(model)
 
-    def model_names(self) -> list[str]:
-        return sorted({pool.served_model_name for pool in self.pools.values()})
-
     def to_json(self) -> str:
-        pools = {}
-        for pool in {p.deployment: p for p in self.pools.values()}.values():
-            pools[pool.deployment] = asdict(pool)
-        return json.dumps({"version": self.version, "pools": pools}, sort_keys=True)
+        """One entry per deployment, in a stable order: equal tables give equal text."""
+        pools = {pool.deployment: asdict(pool) for pool in self.pools.values()}
+        return json.dumps(pools, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> RouteTable:
-        data = json.loads(text)
-        table = cls(version=int(data.get("version", 0)))
-        for raw in data.get("pools", {}).values():
-            pool = pool_from_dict(raw)
-            for name in pool.names or (pool.served_model_name,):
-                table.pools[name] = pool
-        return table
+        return build_table([pool_from_dict(raw) for raw in json.loads(text).values()])
 
 
 def pool_from_dict(raw: dict[str, Any]) -> Pool:
@@ -71,8 +61,8 @@ def pool_from_dict(raw: dict[str, Any]) -> Pool:
                 names=tuple(raw.get("names", ())))
 
 
-def build_table(pools: list[Pool], version: int) -> RouteTable:
-    table = RouteTable(version=version)
+def build_table(pools: list[Pool]) -> RouteTable:
+    table = RouteTable()
     for pool in pools:
         for name in pool.names or (pool.served_model_name,):
             table.pools[name] = pool
@@ -85,7 +75,7 @@ class RouteStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._table = RouteTable()
-        self._published = ""
+        self._text = RouteTable().to_json()
         #: True once a controller in this process has published a table.
         self.publishes_locally = False
 
@@ -95,29 +85,28 @@ class RouteStore:
 
     def publish(self, table: RouteTable, redis_url: str | None = None) -> bool:
         """Replace the table if it changed; returns whether it did."""
-        text = json.dumps({k: asdict(v) for k, v in sorted(table.pools.items())},
-                          sort_keys=True)
+        text = table.to_json()
         with self._lock:
-            if text == self._published:
-                return False
-            table.version = self._table.version + 1
-            self._table = table
-            self._published = text
             self.publishes_locally = True
+            if text == self._text:
+                return False
+            self._table, self._text = table, text
         if redis_url:
             try:
                 import redis
 
-                redis.Redis.from_url(redis_url).set(REDIS_KEY, table.to_json())
+                redis.Redis.from_url(redis_url).set(REDIS_KEY, text)
             except Exception:
                 logger.exception("could not publish the route table to Redis")
         return True
 
     def load_json(self, text: str) -> None:
+        """Take a table another process published, when it differs from the current one."""
+        if text == self._text:
+            return
         table = RouteTable.from_json(text)
         with self._lock:
-            if table.version != self._table.version:
-                self._table = table
+            self._table, self._text = table, text
 
 
 routes = RouteStore()

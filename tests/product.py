@@ -37,6 +37,22 @@ def manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300, check=True)
 
 
+def wait_healthy(url: str, timeout: float,
+                 process: subprocess.Popen[Any] | None = None) -> None:
+    """Wait until `url`/health answers 200; fail early if `process` exits meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not become healthy in {timeout:.0f} s")
+
+
 def start_server(env: dict[str, str], port: int) -> tuple[subprocess.Popen[str], str]:
     """Start `manage.py serve`; return once /healthz answers, with what it printed."""
     process = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port)],

@@ -4,12 +4,14 @@ from typing import Any
 
 from rest_framework import serializers
 
-from controlplane.engine_args import EngineArgsSerializer
+from controlplane.engine_args import SERVED_NAME, EngineArgsSerializer
 from controlplane.models import AuditEvent, Backend, Deployment, Replica
+from controlplane.services import redact
 from models_registry.models import Model
+from models_registry.services import NAME_PATTERN
 
 NAME_FIELD = serializers.RegexField(
-    r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", max_length=63,
+    NAME_PATTERN, max_length=63,
     error_messages={"invalid": "use 1 to 63 lower-case letters, digits and hyphens, "
                                "starting and ending with a letter or digit"})
 
@@ -25,8 +27,7 @@ class BackendSerializer(serializers.ModelSerializer):
 
     def to_representation(self, instance: Backend) -> dict[str, Any]:
         data = super().to_representation(instance)
-        data["config"] = {k: ("***" if k == "api_key" and v else v)
-                          for k, v in (data.get("config") or {}).items()}
+        data["config"] = redact(data.get("config") or {})
         return data
 
 
@@ -62,7 +63,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
     routing_policy = serializers.ChoiceField(choices=["least-load", "round-robin", "session",
                                                       "prefix"], default="least-load")
     aliases = serializers.ListField(child=serializers.RegexField(
-        r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"), max_length=16, default=list)
+        SERVED_NAME), max_length=16, default=list)
     ready_replicas = serializers.SerializerMethodField()
     replica_list = ReplicaSerializer(source="replica_set", many=True, read_only=True)
 

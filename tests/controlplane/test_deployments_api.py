@@ -71,6 +71,15 @@ def test_args_that_cannot_work_with_the_model_are_refused_with_the_reason(
     assert Deployment.objects.count() == 0
 
 
+def test_a_model_name_another_deployment_answers_to_is_refused(admin_client: APIClient,
+                                                               model: Model) -> None:
+    make_deployment("other", model=model)
+    response = create(admin_client, aliases=["other"])
+    assert response.status_code == 400
+    assert "already used by deployment other" in response.json()["aliases"][0]
+    assert Deployment.objects.count() == 1
+
+
 def test_replicas_outside_min_and_max_are_refused(admin_client: APIClient,
                                                   model: Model) -> None:
     response = create(admin_client, replicas=5, max_replicas=4)

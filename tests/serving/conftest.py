@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from serving.routes import Pool, RouteReplica, build_table, routes
-from tests.product import ROOT, free_port
+from tests.product import ROOT, free_port, wait_healthy
 
 
 @dataclass
@@ -34,15 +34,12 @@ def start_fake_engine(name: str, model: str = "fake", interval_ms: float = 5) ->
         [sys.executable, "-m", "fakes.engine", "--port", str(port), "--model", model,
          "--token-interval-ms", str(interval_ms)], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return FakeEngine(name, url, process)
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("the fake engine did not start")
+    try:
+        wait_healthy(url, 30, process)
+    except RuntimeError:
+        process.kill()
+        raise
+    return FakeEngine(name, url, process)
 
 
 @pytest.fixture
@@ -66,7 +63,7 @@ def publish(deployment: str, engines: list[FakeEngine], *, served: str = "fake",
                 max_model_len=2048,
                 replicas=tuple(RouteReplica(e.name, e.url) for e in engines),
                 names=names or (served, deployment))
-    routes.publish(build_table([pool], version=0))
+    routes.publish(build_table([pool]))
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +89,6 @@ def gateway_url() -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def empty_route_table() -> Iterator[None]:
-    routes.publish(build_table([], version=0))
+    routes.publish(build_table([]))
     yield
-    routes.publish(build_table([], version=0))
+    routes.publish(build_table([]))

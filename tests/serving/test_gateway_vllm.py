@@ -9,19 +9,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
 from serving.models import ApiKey
 from serving.routes import Pool, RouteReplica, build_table, routes
 from tests.factories import make_api_key
-from tests.product import free_port
+from tests.product import free_port, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 MODEL = "smollm2"
@@ -40,19 +38,8 @@ def vllm_url(demo_model_folder: Path, tmp_path_factory: pytest.TempPathFactory
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
     try:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {process.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            raise RuntimeError("vLLM did not become healthy in 600 s")
+        wait_healthy(url, 600, process)
         yield url
     finally:
         os.killpg(process.pid, signal.SIGKILL)
@@ -65,7 +52,7 @@ def key(vllm_url: str) -> str:
     routes.publish(build_table([Pool(deployment="smollm2", served_model_name=MODEL,
                                      policy="least-load", max_model_len=1024,
                                      replicas=(RouteReplica("smollm2-1", vllm_url),),
-                                     names=(MODEL, "demo-alias"))], version=0))
+                                     names=(MODEL, "demo-alias"))]))
     return make_api_key(ApiKey.Scope.INFERENCE)
 
 
