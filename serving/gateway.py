@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 import uuid
@@ -21,16 +20,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
-import yarl
 from django.conf import settings
-from django.utils import timezone
 
 from serving import metrics
 from serving.keys import KeyInfo, authenticate, follow_key_changes
 from serving.router import Router
 from serving.routes import Pool, RouteReplica, routes
+from serving.upstream import Pool as ConnectionPool
+from serving.upstream import Response, UpstreamError
 from serving.usage import Usage, UsageWriter
 
 logger = logging.getLogger("serving.gateway")
@@ -73,20 +71,15 @@ class Timing:
 class Gateway:
     def __init__(self) -> None:
         self.router = Router()
-        self.client: aiohttp.ClientSession | None = None
+        self.client: ConnectionPool | None = None
         self.usage: UsageWriter | None = None
         self.background: asyncio.Task[None] | None = None
 
     # --- plumbing --------------------------------------------------------------------
 
-    def http(self) -> aiohttp.ClientSession:
-        if self.client is None or self.client.closed:
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
-                                             keepalive_timeout=60, enable_cleanup_closed=True)
-            self.client = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar(),  # replicas set no cookies worth keeping
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+    def http(self) -> ConnectionPool:
+        if self.client is None:
+            self.client = ConnectionPool()
         if self.background is None or self.background.done():
             self.background = asyncio.get_running_loop().create_task(self.watch_load())
         if self.usage is None:
@@ -131,10 +124,13 @@ class Gateway:
 
         async def one(replica: RouteReplica) -> None:
             try:
-                async with client.get(f"{replica.url}/metrics",
-                                      timeout=aiohttp.ClientTimeout(total=2)) as response:
-                    text = await response.text()
-            except (aiohttp.ClientError, TimeoutError):
+                async with asyncio.timeout(2):
+                    response = await client.request("GET", replica.url, "/metrics")
+                    try:
+                        text = (await response.read()).decode("utf-8", "replace")
+                    finally:
+                        response.release()
+            except (UpstreamError, TimeoutError):
                 return
             total = 0.0
             for line in text.splitlines():
@@ -255,15 +251,16 @@ class Gateway:
         await self.relay(send, receive, key, pool, model, scope["path"], raw, stream,
                          wants_usage, session, prefix, request_id, headers, timing)
 
-    async def relay(self, send: Send, receive: Receive, key: KeyInfo, pool: Pool, model: str,
-                    path: str, raw: bytes, stream: bool, wants_usage: bool,
-                    session: str | None,
-                    prefix: str | None, request_id: str, headers: list[tuple[bytes, bytes]],
-                    timing: Timing) -> None:
+    async def open_upstream(self, pool: Pool, model: str, path: str, raw: bytes,
+                            session: str | None, prefix: str | None, request_id: str,
+                            timing: Timing, *, key: KeyInfo | None, stream: bool,
+                            user: str = "") -> tuple[RouteReplica, Response]:
+        """Send the request to a replica the router picks, retrying on another one when it
+        fails before answering; the chosen replica's in-flight count includes it."""
         client = self.http()
         tried: list[str] = []
-        upstream_headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-        response: aiohttp.ClientResponse | None = None
+        upstream_headers = (("Content-Type", "application/json"), ("X-Request-Id", request_id))
+        response: Response | None = None
         replica: RouteReplica | None = None
         last_error = ""
         for attempt in range(MAX_ATTEMPTS):
@@ -271,25 +268,28 @@ class Gateway:
             if replica is None:
                 break
             if attempt:
-                metrics.RETRIES.labels(model).inc()
+                metrics.child(metrics.RETRIES, model).inc()
             tried.append(replica.name)
             state = self.router.state(replica.name)
             state.in_flight += 1
             timing.sent = time.perf_counter()
             try:
-                response = await client.post(upstream_url(replica.url, path), data=raw,
-                                             headers=upstream_headers)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                response = await client.request("POST", replica.url, path, raw,
+                                                upstream_headers)
+            except UpstreamError as exc:
                 state.in_flight -= 1
                 self.router.failed(replica.name)
-                metrics.UPSTREAM_ERRORS.labels(model, pool.deployment).inc()
-                last_error = f"{replica.name}: {exc.__class__.__name__}"
+                metrics.child(metrics.UPSTREAM_ERRORS, model, pool.deployment).inc()
+                last_error = f"{replica.name}: {exc}"
                 response = None
                 continue
+            except asyncio.CancelledError:  # the caller went away before the answer began
+                state.in_flight -= 1
+                raise
             if response.status in RETRY_STATUSES and attempt + 1 < MAX_ATTEMPTS:
                 state.in_flight -= 1
                 self.router.failed(replica.name)
-                metrics.UPSTREAM_ERRORS.labels(model, pool.deployment).inc()
+                metrics.child(metrics.UPSTREAM_ERRORS, model, pool.deployment).inc()
                 last_error = f"{replica.name}: HTTP {response.status}"
                 response.release()
                 response = None
@@ -298,14 +298,25 @@ class Gateway:
         if response is None or replica is None:
             message = (f"no ready replica for model `{model}`" if not tried else
                        f"every replica failed before answering ({last_error})")
-            self.record(key, model, pool, "", 503, stream, None, timing, request_id)
+            self.record(key, model, pool, "", 503, stream, None, timing, request_id, user=user)
             raise GatewayError(503, message, kind="service_unavailable", code="no_replica",
                                headers=[(b"retry-after", b"2")])
-        metrics.IN_FLIGHT.labels(model).inc()
+        return replica, response
+
+    async def relay(self, send: Send, receive: Receive, key: KeyInfo, pool: Pool, model: str,
+                    path: str, raw: bytes, stream: bool, wants_usage: bool,
+                    session: str | None,
+                    prefix: str | None, request_id: str, headers: list[tuple[bytes, bytes]],
+                    timing: Timing) -> None:
+        replica, response = await self.open_upstream(pool, model, path, raw, session, prefix,
+                                                      request_id, timing, key=key,
+                                                      stream=stream)
+        state = self.router.state(replica.name)
+        metrics.child(metrics.IN_FLIGHT, model, pool.deployment).inc()
         status = response.status
         usage: dict[str, Any] | None = None
         try:
-            content_type = response.headers.get("Content-Type", "application/json")
+            content_type = response.headers.get("content-type", "application/json")
             out_headers = [*headers, (b"content-type", content_type.encode())]
             if stream and status == 200:
                 out_headers.append((b"cache-control", b"no-cache"))
@@ -313,7 +324,16 @@ class Gateway:
                     send, receive, response, out_headers, wants_usage, timing, model, pool,
                     replica)
             else:
-                payload = await read_unless_gone(response, receive)
+                try:
+                    payload = await read_unless_gone(response, receive)
+                except UpstreamError as exc:
+                    self.router.failed(replica.name)
+                    metrics.child(metrics.UPSTREAM_ERRORS, model, pool.deployment).inc()
+                    status = 502
+                    self.record(key, model, pool, replica.name, status, stream, None, timing,
+                                request_id)
+                    raise GatewayError(502, f"the replica failed while answering ({exc})",
+                                       kind="upstream_error", code="upstream_error") from None
                 if payload is None:  # the client went away; closing tells the engine
                     response.close()
                     status = 499
@@ -332,11 +352,11 @@ class Gateway:
         finally:
             response.release()
             state.in_flight -= 1
-            metrics.IN_FLIGHT.labels(model).dec()
+            metrics.child(metrics.IN_FLIGHT, model, pool.deployment).dec()
         self.record(key, model, pool, replica.name, status, stream, usage, timing, request_id)
 
     async def relay_stream(self, send: Send, receive: Receive,
-                           response: aiohttp.ClientResponse,
+                           response: Response,
                            headers: list[tuple[bytes, bytes]], wants_usage: bool,
                            timing: Timing, model: str, pool: Pool,
                            replica: RouteReplica) -> tuple[dict[str, Any] | None, bool]:
@@ -360,11 +380,10 @@ class Gateway:
             response.close()
             return found.get("usage"), True
         error = pump.exception()
-        if isinstance(error, aiohttp.ClientError | TimeoutError):
+        if isinstance(error, UpstreamError):
             self.router.failed(replica.name)
-            metrics.UPSTREAM_ERRORS.labels(model, pool.deployment).inc()
-            event = {"error": {"message": f"the replica failed mid-stream "
-                                          f"({error.__class__.__name__})",
+            metrics.child(metrics.UPSTREAM_ERRORS, model, pool.deployment).inc()
+            event = {"error": {"message": f"the replica failed mid-stream ({error})",
                                "type": "upstream_error", "code": 502}}
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body",
@@ -376,13 +395,12 @@ class Gateway:
         return found.get("usage"), True
 
     @staticmethod
-    async def pump(send: Send, response: aiohttp.ClientResponse, wants_usage: bool,
+    async def pump(send: Send, response: Response, wants_usage: bool,
                    timing: Timing, found: dict[str, Any]) -> None:
         """Relay the upstream as it arrives: whatever bytes are buffered, in one write."""
         pending = b""
-        content = response.content
         while True:
-            chunk = await content.readany()
+            chunk = await response.readany()
             if not chunk:
                 break
             now = time.perf_counter()
@@ -407,30 +425,31 @@ class Gateway:
                 await send({"type": "http.response.body", "body": complete, "more_body": True})
         await send({"type": "http.response.body", "body": pending, "more_body": False})
 
-    def record(self, key: KeyInfo, model: str, pool: Pool, replica: str, status: int,
+    def record(self, key: KeyInfo | None, model: str, pool: Pool, replica: str, status: int,
                stream: bool, usage: dict[str, Any] | None, timing: Timing,
-               request_id: str) -> None:
+               request_id: str, *, user: str = "") -> None:
         end = timing.last_chunk or time.perf_counter()
-        metrics.REQUESTS.labels(model, pool.deployment, str(status)).inc()
+        metrics.child(metrics.REQUESTS, model, pool.deployment, str(status)).inc()
         metrics.E2E.labels(model).observe(end - timing.arrived)
         ttft = timing.first_byte - timing.arrived if timing.first_byte else None
         if ttft is not None:
-            metrics.TTFT.labels(model).observe(ttft)
+            metrics.child(metrics.TTFT, model).observe(ttft)
         itl = timing.gaps / (timing.chunks - 1) if timing.chunks > 1 else None
         if itl is not None:
-            metrics.ITL.labels(model).observe(itl)
+            metrics.child(metrics.ITL, model).observe(itl)
         prompt = completion = None
         if usage:
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if isinstance(prompt, int):
-                metrics.TOKENS.labels(model, "prompt").inc(prompt)
+                metrics.child(metrics.TOKENS, model, "prompt").inc(prompt)
             if isinstance(completion, int):
-                metrics.TOKENS.labels(model, "completion").inc(completion)
+                metrics.child(metrics.TOKENS, model, "completion").inc(completion)
         logger.info("%s %s %s -> %s %s %.1f ms", request_id, model, pool.deployment,
                     replica or "-", status, (end - timing.arrived) * 1000)
         if self.usage is not None:
             self.usage.add(Usage(
-                at=timezone.now(), request_id=request_id, key_id=key.key_id, model=model,
+                at=time.time(), request_id=request_id, key_id=key.key_id if key else None,
+                username=user, model=model,
                 deployment=pool.deployment, replica=replica, status=status, stream=stream,
                 prompt_tokens=prompt if isinstance(prompt, int) else None,
                 completion_tokens=completion if isinstance(completion, int) else None,
@@ -443,18 +462,12 @@ class Gateway:
 # --- helpers ----------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4096)
-def upstream_url(base: str, path: str) -> yarl.URL:
-    """Parsed once per replica and path, not once per request."""
-    return yarl.URL(base + path)
-
-
 async def wait_for_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         continue
 
 
-async def read_unless_gone(response: aiohttp.ClientResponse, receive: Receive) -> bytes | None:
+async def read_unless_gone(response: Response, receive: Receive) -> bytes | None:
     """The whole upstream body, or None when the client disconnects first."""
     loop = asyncio.get_running_loop()
     reading = loop.create_task(response.read())

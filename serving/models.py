@@ -45,6 +45,8 @@ class UsageRecord(models.Model):
     # the whole batch fail.
     key = models.ForeignKey(ApiKey, on_delete=models.SET_NULL, null=True, blank=True,
                             db_constraint=False)
+    # Set for requests made in the browser playground, as the logged-in user.
+    username = models.CharField(max_length=150, blank=True)
     model = models.CharField(max_length=200)
     deployment = models.CharField(max_length=100)
     replica = models.CharField(max_length=100, blank=True)

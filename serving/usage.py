@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -20,7 +20,7 @@ FLUSH_AT = 1000
 
 @dataclass
 class Usage:
-    at: datetime
+    at: float  # seconds since the epoch (time.time()), a datetime once written
     request_id: str
     key_id: int | None
     model: str
@@ -34,6 +34,7 @@ class Usage:
     ttft_ms: float | None
     itl_ms: float | None
     e2e_ms: float
+    username: str = ""
 
 
 class UsageWriter:
@@ -71,7 +72,8 @@ class UsageWriter:
 
 
 COLUMNS = ("at", "request_id", "key_id", "model", "deployment", "replica", "status", "stream",
-           "prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "itl_ms", "e2e_ms")
+           "prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "itl_ms", "e2e_ms",
+           "username")
 
 
 def write_batch(batch: list[Usage]) -> None:
@@ -87,8 +89,9 @@ def write_batch(batch: list[Usage]) -> None:
     columns = ", ".join(connection.ops.quote_name(c) for c in COLUMNS)
     placeholders = ", ".join(["%s"] * len(COLUMNS))
     at = connection.ops.adapt_datetimefield_value
-    rows = [(at(u.at), u.request_id, u.key_id, u.model, u.deployment, u.replica, u.status,
+    rows = [(at(datetime.fromtimestamp(u.at, UTC)), u.request_id, u.key_id, u.model,
+             u.deployment, u.replica, u.status,
              u.stream, u.prompt_tokens, u.completion_tokens, u.queue_ms, u.ttft_ms, u.itl_ms,
-             u.e2e_ms) for u in batch]
+             u.e2e_ms, u.username) for u in batch]
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.executemany(f"INSERT INTO {table} ({columns}) VALUES ({placeholders})", rows)

@@ -1,0 +1,338 @@
+"""The gateway's upstream HTTP/1.1 client: keep-alive pools per replica, one write per
+request, the C parser uvicorn itself uses (httptools) for responses, and the body handed on
+as it arrives (whatever is buffered, in one piece).
+
+It does only what the gateway needs of a replica (vLLM's OpenAI server or any HTTP/1.1
+OpenAI-compatible endpoint): a request with a body, a response read whole or as a stream,
+chunked or sized bodies, plain HTTP or TLS. A general client (aiohttp, httpx) spends several
+times as long per request on features the relay never uses; on two shared cores that time
+is what a burst of new streams queues behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import ssl
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httptools
+
+CONNECT_TIMEOUT = 5.0
+HIGH_WATER = 1 << 20  # bytes buffered before the socket stops being read
+IDLE_PER_HOST = 256
+
+
+class UpstreamError(Exception):
+    """The replica could not be reached, or the connection broke before the answer ended."""
+
+
+@dataclass(frozen=True)
+class Target:
+    host: str
+    port: int
+    prefix: str
+    tls: bool
+    host_header: bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def target(base_url: str) -> Target:
+    """A replica's base URL, parsed once."""
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UpstreamError(f"not an http(s) URL: {base_url!r}")
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    return Target(
+        parts.hostname,
+        port,
+        parts.path.rstrip("/"),
+        tls,
+        (parts.netloc.rsplit("@", 1)[-1]).encode("idna"),
+    )
+
+
+class Response:
+    """One upstream answer: status and headers at once, the body as it arrives."""
+
+    __slots__ = ("_connection", "headers", "status")
+
+    def __init__(self, connection: Connection, status: int, headers: dict[str, str]) -> None:
+        self._connection = connection
+        self.status = status
+        self.headers = headers
+
+    async def readany(self) -> bytes:
+        """Every body byte buffered now (waiting for some if none is); b"" at the end."""
+        return await self._connection.read_some()
+
+    async def read(self) -> bytes:
+        parts = []
+        while chunk := await self.readany():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Done with it: the connection goes back to its pool when the answer was read to
+        the end and the replica keeps it open, else it is closed."""
+        self._connection.finish()
+
+    def close(self) -> None:
+        """Drop the connection now (the replica sees the client go and stops)."""
+        self._connection.abort()
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, pool: Pool, key: tuple[str, int, bool]) -> None:
+        self.pool, self.key = pool, key
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reused = False
+        self.parser: httptools.HttpResponseParser | None = None
+        self.busy = False
+        self.received = False  # any byte of the current answer
+        self.head: asyncio.Future[Response] | None = None
+        self.header_names: list[bytes] = []
+        self.header_values: list[bytes] = []
+        self.body: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.paused = False
+        self.complete = False
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.length_known = False
+        self.keep_alive = False
+
+    # --- asyncio.Protocol --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        if self.parser is None:  # bytes nobody asked for: the connection cannot be trusted
+            self.abort()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.fail(UpstreamError(f"malformed answer from the replica: {exc}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        if self.busy and not self.complete:
+            if self.head is not None and self.head.done() and not self.length_known and exc is None:
+                self.on_message_complete()  # a body delimited by the connection's end
+            else:
+                self.fail(
+                    UpstreamError(
+                        "the replica closed the connection" + (f" ({exc})" if exc else "")
+                    )
+                )
+
+    def pause_writing(self) -> None:  # requests are small; nothing to hold back
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # --- httptools callbacks -----------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_names.append(name)
+        self.header_values.append(value)
+
+    def on_headers_complete(self) -> None:
+        assert self.parser is not None
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in zip(self.header_names, self.header_values, strict=True)
+        }
+        self.length_known = "content-length" in headers or "chunked" in headers.get(
+            "transfer-encoding", ""
+        )
+        if self.head is not None and not self.head.done():
+            self.head.set_result(Response(self, self.parser.get_status_code(), headers))
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self.wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        # Asked now: the parser forgets it once the message is over.
+        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
+        self.wake()
+
+    # --- used by the client ------------------------------------------------------------
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(error)
+        self.wake()
+
+    async def send(self, request: bytes) -> Response:
+        if self.closed or self.transport is None:
+            raise UpstreamError("the replica closed the connection")
+        self.busy, self.received, self.complete, self.error = True, False, False, None
+        self.keep_alive = False
+        self.header_names, self.header_values = [], []
+        self.body.clear()
+        self.buffered = 0
+        self.parser = httptools.HttpResponseParser(self)
+        self.head = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        try:
+            return await self.head
+        except BaseException:
+            self.abort()
+            raise
+
+    async def read_some(self) -> bytes:
+        while not self.body:
+            if self.error is not None:
+                raise self.error
+            if self.complete:
+                return b""
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        self.body.clear()
+        self.buffered = 0
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    def finish(self) -> None:
+        if not self.busy:
+            return
+        self.busy = False
+        reusable = self.complete and self.error is None and not self.closed and self.keep_alive
+        self.parser, self.head = None, None
+        self.body.clear()
+        if reusable:
+            self.pool.put_back(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        self.busy = False
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+        self.pool.forget(self)
+
+
+class Pool:
+    """Keep-alive connections per replica (host, port, TLS), reused most recent first."""
+
+    def __init__(self) -> None:
+        self.idle: dict[tuple[str, int, bool], list[Connection]] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    def tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+    async def connect(self, where: Target) -> Connection:
+        loop = asyncio.get_running_loop()
+        key = (where.host, where.port, where.tls)
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                _, connection = await loop.create_connection(
+                    lambda: Connection(self, key),
+                    where.host,
+                    where.port,
+                    ssl=self.tls_context() if where.tls else None,
+                )
+        except TimeoutError:
+            raise UpstreamError(
+                f"no connection to {where.host}:{where.port} within {CONNECT_TIMEOUT:g} s"
+            ) from None
+        except OSError as exc:
+            raise UpstreamError(
+                f"cannot connect to {where.host}:{where.port}: {exc.strerror or exc}"
+            ) from None
+        return connection
+
+    def take_idle(self, where: Target) -> Connection | None:
+        idle = self.idle.get((where.host, where.port, where.tls))
+        while idle:
+            connection = idle.pop()
+            if not connection.closed:
+                connection.reused = True
+                return connection
+        return None
+
+    def put_back(self, connection: Connection) -> None:
+        idle = self.idle.setdefault(connection.key, [])
+        if len(idle) < IDLE_PER_HOST:
+            idle.append(connection)
+        else:
+            connection.abort()
+
+    def forget(self, connection: Connection) -> None:
+        idle = self.idle.get(connection.key)
+        if idle and connection in idle:
+            idle.remove(connection)
+
+    async def request(
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: bytes = b"",
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> Response:
+        """Send one request to a replica and wait for the answer's status and headers."""
+        where = target(base_url)
+        lines = [
+            f"{method} {where.prefix}{path} HTTP/1.1\r\n".encode("latin-1"),
+            b"Host: ",
+            where.host_header,
+            b"\r\n",
+        ]
+        if body or method in ("POST", "PUT", "PATCH"):
+            lines.append(b"Content-Length: %d\r\n" % len(body))
+        for name, value in headers:
+            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        lines.append(b"\r\n")
+        lines.append(body)
+        request = b"".join(lines)
+        connection = self.take_idle(where)
+        if connection is not None:
+            try:
+                return await connection.send(request)
+            except UpstreamError:
+                # The replica closed the kept-alive connection before reading the request:
+                # nothing reached it, so sending again on a new connection is safe.
+                if connection.received:
+                    raise
+        connection = await self.connect(where)
+        return await connection.send(request)
+
+    def close(self) -> None:
+        for idle in list(self.idle.values()):
+            for connection in list(idle):
+                connection.abort()
+        self.idle.clear()
