@@ -12,11 +12,17 @@ django_application = get_asgi_application()
 from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set up first)
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.urls import path, re_path  # noqa: E402
 
+from controlplane.consumers import DashboardConsumer, PlaygroundConsumer  # noqa: E402
 from serving.gateway import gateway  # noqa: E402
 from serving.metrics_endpoint import metrics_application  # noqa: E402
 
-websocket_urlpatterns: list[object] = []
+websocket_urlpatterns: list[object] = [
+    path("ws/dashboard/", DashboardConsumer.as_asgi()),
+    re_path(r"^ws/dashboard/(?P<deployment>[a-z0-9-]{1,63})/$", DashboardConsumer.as_asgi()),
+    path("ws/playground/", PlaygroundConsumer.as_asgi()),
+]
 
 
 async def http_application(scope: dict, receive: object, send: object) -> None:

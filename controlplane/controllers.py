@@ -39,11 +39,20 @@ def _one_pass(reconciler: Reconciler) -> None:
 
 
 async def run_controllers(stop: asyncio.Event) -> None:
+    from controlplane.collector import run_collector
     from controlplane.reconciler import Reconciler
 
     reconciler = Reconciler()
     interval = settings.RECONCILE_INTERVAL_SECONDS
     logger.info("controllers running (reconcile every %.1f s)", interval)
+    collector = asyncio.get_running_loop().create_task(run_collector(stop))
+    try:
+        await _reconcile_loop(reconciler, stop, interval)
+    finally:
+        await asyncio.gather(collector, return_exceptions=True)
+
+
+async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval: float) -> None:
     while not stop.is_set():
         _reconcile_requested.clear()
         try:

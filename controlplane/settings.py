@@ -199,6 +199,17 @@ GATEWAY_LOAD_SCRAPE_SECONDS = env_float("GATEWAY_LOAD_SCRAPE_SECONDS", 1.0, mini
 KEY_CACHE_SECONDS = env_float("KEY_CACHE_SECONDS", 60.0, minimum=0.0)
 USAGE_FLUSH_SECONDS = env_float("USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
 
+# The metrics collector and the live dashboards.
+SCRAPE_INTERVAL = env_float("SCRAPE_INTERVAL", 2.0, minimum=0.2)
+SCRAPE_TIMEOUT = env_float("SCRAPE_TIMEOUT", 1.5, minimum=0.1)
+DCGM_EXPORTER_URL = env_str("DCGM_EXPORTER_URL", "")
+
+# The playground (WebSocket /ws/playground/).
+PLAYGROUND_MAX_TOKENS = env_int("PLAYGROUND_MAX_TOKENS", 4096, minimum=1)
+PLAYGROUND_MAX_PROMPT_CHARS = env_int("PLAYGROUND_MAX_PROMPT_CHARS", 100_000, minimum=1)
+WEBSOCKET_MAX_MESSAGE_BYTES = env_int("WEBSOCKET_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024)
+WEBSOCKET_MESSAGES_PER_SECOND = env_float("WEBSOCKET_MESSAGES_PER_SECOND", 5.0, minimum=0.1)
+
 # The ASGI server of `manage.py serve`.
 SERVE_HOST = env_str("HOST", "127.0.0.1")
 SERVE_PORT = env_int("PORT", 8000, minimum=1, maximum=65535)

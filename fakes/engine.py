@@ -57,6 +57,12 @@ class FakeEngine:
         self.waiting = 0
         self.requests = 0
         self.disconnects = 0
+        self.finished = 0
+        self.prompt_tokens = 0
+        self.generated = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.seen_prompts: set[int] = set()
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.slots = asyncio.Semaphore(max_running)
@@ -103,6 +109,15 @@ class FakeEngine:
             return
         tokens = int(request.get("max_tokens") or request.get("max_completion_tokens") or 16)
         self.requests += 1
+        # Prefix caching, faked: every prompt counts 5 tokens, all of them hits when the
+        # same prompt was seen before.
+        prompt = hash(json.dumps(request.get("messages") or request.get("prompt")))
+        self.prompt_tokens += 5
+        self.prefix_queries += 5
+        if prompt in self.seen_prompts:
+            self.prefix_hits += 5
+        elif len(self.seen_prompts) < 10_000:
+            self.seen_prompts.add(prompt)
         self.waiting += 1
         async with self.slots:
             self.waiting -= 1
@@ -112,6 +127,8 @@ class FakeEngine:
                     await self.stream(send, receive, request, tokens, chat)
                 else:
                     await self.whole(send, tokens, chat)
+                    self.generated += tokens
+                self.finished += 1
             finally:
                 self.running -= 1
 
@@ -163,6 +180,7 @@ class FakeEngine:
                 self.disconnects += 1
                 return
             await send({"type": "http.response.body", "body": event, "more_body": True})
+            self.generated += 1
             now = time.perf_counter()
             if index == 0:
                 self.ttft.observe(now - started)
@@ -193,6 +211,18 @@ class FakeEngine:
             f"fake:client_disconnects_total {self.disconnects}",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{{{labels}}} {min(self.running / self.max_running, 1)}",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{{{labels}}} {self.prompt_tokens}",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{{{labels}}} {self.generated}",
+            "# TYPE vllm:request_success_total counter",
+            f'vllm:request_success_total{{{labels},finished_reason="length"}} {self.finished}',
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{{{labels}}} {self.prefix_queries}",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{{{labels}}} {self.prefix_hits}",
+            "# TYPE vllm:num_preemptions_total counter",
+            f"vllm:num_preemptions_total{{{labels}}} 0",
             "# TYPE vllm:time_to_first_token_seconds histogram",
             *self.ttft.lines("vllm:time_to_first_token_seconds", labels),
             "# TYPE vllm:inter_token_latency_seconds histogram",
@@ -215,11 +245,33 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="fake")
     parser.add_argument("--token-interval-ms", type=float, default=10.0)
+    parser.add_argument("--extra-ports", type=int, default=0, metavar="N",
+                        help="also listen on N more free ports (one fake engine answering "
+                             "as many endpoints), written one per line to --ports-file")
+    parser.add_argument("--ports-file", default="")
     options = parser.parse_args()
     import uvicorn
 
-    uvicorn.run(FakeEngine(options.model, options.token_interval_ms / 1000), host=options.host,
-                port=options.port, log_level="warning", access_log=False, lifespan="on")
+    engine = FakeEngine(options.model, options.token_interval_ms / 1000)
+    if not options.extra_ports:
+        uvicorn.run(engine, host=options.host, port=options.port, log_level="warning",
+                    access_log=False, lifespan="on")
+        return
+    import socket
+
+    sockets = []
+    for port in [options.port] + [0] * options.extra_ports:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((options.host, port))
+        listener.listen(128)
+        sockets.append(listener)
+    if options.ports_file:
+        with open(options.ports_file, "w") as out:
+            out.write("".join(f"{s.getsockname()[1]}\n" for s in sockets))
+    server = uvicorn.Server(uvicorn.Config(engine, log_level="warning", access_log=False,
+                                           lifespan="on"))
+    server.run(sockets=sockets)
 
 
 if __name__ == "__main__":

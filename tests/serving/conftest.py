@@ -1,69 +1,14 @@
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
-import httpx
 import pytest
 
-from serving.routes import Pool, RouteReplica, build_table, routes
-from tests.product import ROOT, free_port, wait_healthy
-
-
-@dataclass
-class FakeEngine:
-    """A FAKE engine process (fakes/engine.py) on a free port."""
-
-    name: str
-    url: str
-    process: subprocess.Popen[bytes]
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        line = next(line for line in text.splitlines() if line.startswith(name))
-        return float(line.rsplit(" ", 1)[-1])
-
-
-def start_fake_engine(name: str, model: str = "fake", interval_ms: float = 5) -> FakeEngine:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "fakes.engine", "--port", str(port), "--model", model,
-         "--token-interval-ms", str(interval_ms)], cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, 30, process)
-    except RuntimeError:
-        process.kill()
-        raise
-    return FakeEngine(name, url, process)
-
-
-@pytest.fixture
-def fake_engines() -> Iterator[Callable[..., FakeEngine]]:
-    started: list[FakeEngine] = []
-
-    def start(name: str, **options: object) -> FakeEngine:
-        engine = start_fake_engine(name, **options)  # type: ignore[arg-type]
-        started.append(engine)
-        return engine
-
-    yield start
-    for engine in started:
-        engine.process.kill()
-        engine.process.wait(timeout=10)
-
-
-def publish(deployment: str, engines: list[FakeEngine], *, served: str = "fake",
-            policy: str = "least-load", names: tuple[str, ...] = ()) -> None:
-    pool = Pool(deployment=deployment, served_model_name=served, policy=policy,
-                max_model_len=2048,
-                replicas=tuple(RouteReplica(e.name, e.url) for e in engines),
-                names=names or (served, deployment))
-    routes.publish(build_table([pool]))
+from serving.routes import build_table, routes
+from tests.engines import FakeEngine, fake_engines, publish, start_fake_engine  # noqa: F401
+from tests.product import free_port
 
 
 @pytest.fixture(scope="session")

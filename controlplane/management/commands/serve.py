@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Coroutine
 from typing import Any
 
@@ -13,6 +14,10 @@ from models_registry.services import recover_interrupted_imports
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
     """uvloop where it is installed (it is, with uvicorn[standard]): the relay's speed."""
+    # Helper threads (usage writer, reconciler queries) hand the interpreter back to the
+    # event loop after 1 ms instead of Python's default 5 ms: a stream's next token does not
+    # wait behind a batch insert.
+    sys.setswitchinterval(0.001)
     try:
         import uvloop
     except ImportError:
@@ -61,7 +66,10 @@ class Command(BaseCommand):
         from controlplane.controllers import run_controllers
 
         config = uvicorn.Config("controlplane.asgi:application", host=host, port=port,
-                                log_level=log_level, lifespan="off", access_log=False)
+                                log_level=log_level, lifespan="off", access_log=False,
+                                # Frames between WEBSOCKET_MAX_MESSAGE_BYTES and this get an
+                                # error message from the consumer; above it the socket closes.
+                                ws_max_size=4 * settings.WEBSOCKET_MAX_MESSAGE_BYTES)
         server = uvicorn.Server(config)
         stop = asyncio.Event()
         tasks = [asyncio.create_task(server.serve())]

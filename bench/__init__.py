@@ -1,0 +1,1 @@
+"""Benchmarks: each prints its figure on its last line (docs/benchmarks.md)."""

@@ -1,0 +1,608 @@
+"""The metrics collector: scrapes every live replica's /metrics every SCRAPE_INTERVAL
+seconds, in parallel and with a timeout, keeps per-replica time series in ring buffers
+(the metrics store), and pushes one update per interval to the dashboards' Channels groups.
+
+Per replica and interval: running and waiting requests, KV-cache use, the prefix-cache hit
+rate (from counter deltas), TTFT and inter-token latency quantiles (from histogram bucket
+deltas), prompt and generation tokens per second, preemptions, finished requests per second;
+and the accelerator: DCGM exporter figures when DCGM_EXPORTER_URL is set, else NVML for
+local GPUs, else the replica's processes' CPU and memory (psutil), labelled "cpu". The
+gateway's own in-flight requests, request rate and error rate come from this process's
+Prometheus registry (the gateway runs here in the embedded setup).
+
+The message schema pushed to browsers is documented in docs/dashboards.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger(__name__)
+
+HISTORY_SECONDS = 15 * 60
+FLEET_GROUP = "dashboard.fleet"
+
+# vLLM's names; older names in parentheses are read when the new one is absent.
+GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache",
+    "vllm:gpu_cache_usage_perc": "kv_cache",
+}
+COUNTERS = {
+    "vllm:prefix_cache_hits": "prefix_hits",
+    "vllm:prefix_cache_queries": "prefix_queries",
+    "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:generation_tokens": "generation_tokens",
+    "vllm:num_preemptions": "preemptions",
+    "vllm:request_success": "finished",
+}
+HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": "ttft",
+    "vllm:inter_token_latency_seconds": "itl",
+    "vllm:time_per_output_token_seconds": "itl",
+}
+WANTED = tuple(f"{name}" for name in (*GAUGES, *COUNTERS, *HISTOGRAMS))
+DCGM = {
+    "DCGM_FI_DEV_GPU_UTIL": "gpu_util",
+    "DCGM_FI_DEV_FB_USED": "mem_used_mib",
+    "DCGM_FI_DEV_FB_FREE": "mem_free_mib",
+    "DCGM_FI_DEV_POWER_USAGE": "power_w",
+    "DCGM_FI_DEV_GPU_TEMP": "temperature_c",
+}
+
+
+def settings_interval() -> float:
+    return float(settings.SCRAPE_INTERVAL)
+
+
+@dataclass
+class Scrape:
+    """One /metrics text, reduced to what the dashboards use (summed over label sets)."""
+
+    gauges: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, dict[float, float]] = field(default_factory=dict)
+
+
+def parse_metrics(text: str) -> Scrape:
+    """Parse with prometheus-client's parser, after dropping every line the dashboards do
+    not read (a vLLM server exposes hundreds). Samples are matched by their own names, so
+    TYPE lines written with or without `_total` read the same."""
+    kept = "\n".join(line for line in text.splitlines()
+                     if line.startswith(WANTED) or (line.startswith("# TYPE vllm:")
+                                                    and line[7:].startswith(WANTED)))
+    scrape = Scrape()
+    older: dict[str, float] = {}
+    for family in text_string_to_metric_families(kept + "\n"):
+        for sample in family.samples:
+            name = sample.name
+            if name in GAUGES:
+                target = older if name == "vllm:gpu_cache_usage_perc" else scrape.gauges
+                key = GAUGES[name]
+                target[key] = target.get(key, 0.0) + sample.value
+            elif name.endswith("_total") and name[:-6] in COUNTERS:
+                key = COUNTERS[name[:-6]]
+                scrape.counters[key] = scrape.counters.get(key, 0.0) + sample.value
+            elif name.endswith("_bucket") and name[:-7] in HISTOGRAMS:
+                base = name[:-7]
+                key = HISTOGRAMS[base]
+                if base == "vllm:time_per_output_token_seconds":
+                    key = "_older_itl"
+                buckets = scrape.histograms.setdefault(key, {})
+                bound = float(sample.labels.get("le", "inf"))
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    for key, value in older.items():
+        scrape.gauges.setdefault(key, value)
+    fallback = scrape.histograms.pop("_older_itl", None)
+    if fallback is not None:
+        scrape.histograms.setdefault("itl", fallback)
+    return scrape
+
+
+def quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative bucket counts (linear within a
+    bucket); None when nothing was observed."""
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank = q * total
+    previous_bound, previous_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return previous_bound
+            if count == previous_count:
+                return bound
+            return previous_bound + (bound - previous_bound) * (
+                (rank - previous_count) / (count - previous_count))
+        previous_bound, previous_count = bound, count
+    return previous_bound
+
+
+def bucket_delta(now: dict[float, float], before: dict[float, float] | None
+                 ) -> dict[float, float]:
+    if not before:
+        return now
+    delta = {bound: count - before.get(bound, 0.0) for bound, count in now.items()}
+    if any(value < 0 for value in delta.values()):  # the replica restarted
+        return now
+    return delta
+
+
+def rate(now: float | None, before: float | None, seconds: float) -> float | None:
+    if now is None or before is None or seconds <= 0:
+        return None
+    if now < before:  # a counter reset: the replica restarted
+        return None
+    return (now - before) / seconds
+
+
+def rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+@dataclass
+class Target:
+    name: str
+    deployment: str
+    url: str
+    role: str
+    phase: str
+    pid: int | None
+    local: bool
+
+
+class ReplicaSeries:
+    """A replica's samples over the last HISTORY_SECONDS, oldest first."""
+
+    def __init__(self, target: Target, interval: float) -> None:
+        self.target = target
+        self.samples: deque[dict[str, Any]] = deque(
+            maxlen=max(450, math.ceil(HISTORY_SECONDS / interval) + 1))
+        self.last: Scrape | None = None
+        self.last_at = 0.0
+        self.failures = 0
+
+    def add(self, at: float, scrape: Scrape, accelerator: dict[str, Any]) -> dict[str, Any]:
+        previous, seconds = self.last, at - self.last_at
+        sample: dict[str, Any] = {
+            "t": round(at, 3),
+            "running": scrape.gauges.get("running"),
+            "waiting": scrape.gauges.get("waiting"),
+            "kv_cache": rounded(scrape.gauges.get("kv_cache")),
+        }
+        before = previous.counters if previous else {}
+        for key, name in (("prompt_tokens", "prompt_tps"), ("generation_tokens", "gen_tps"),
+                          ("finished", "finished_rps"), ("preemptions", "preemptions_ps")):
+            sample[name] = rounded(rate(scrape.counters.get(key), before.get(key), seconds), 3)
+        queries = rate(scrape.counters.get("prefix_queries"), before.get("prefix_queries"),
+                       seconds)
+        hits = rate(scrape.counters.get("prefix_hits"), before.get("prefix_hits"), seconds)
+        sample["prefix_hit_rate"] = (rounded(hits / queries) if queries and hits is not None
+                                     else None)
+        for key in ("ttft", "itl"):
+            now_buckets = scrape.histograms.get(key)
+            if now_buckets is None or previous is None:
+                sample[f"{key}_p50"] = sample[f"{key}_p95"] = None
+                continue
+            delta = bucket_delta(now_buckets, previous.histograms.get(key))
+            sample[f"{key}_p50"] = rounded(quantile(0.5, delta), 5)
+            sample[f"{key}_p95"] = rounded(quantile(0.95, delta), 5)
+        sample.update(accelerator)
+        self.last, self.last_at = scrape, at
+        self.samples.append(sample)
+        return sample
+
+
+class GatewayCounters:
+    """This process's gateway counters, as per-deployment rates between two passes."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[float, float]] = {}
+        self.last_at = 0.0
+
+    def read(self, at: float) -> dict[str, dict[str, float | None]]:
+        from serving import metrics
+
+        totals: dict[str, list[float]] = {}
+        in_flight: dict[str, float] = {}
+        # These two families only: collecting the whole registry walks every histogram.
+        for family in (*metrics.REQUESTS.collect(), *metrics.IN_FLIGHT.collect()):
+            if family.name == "fleetplane_gateway_requests":
+                for sample in family.samples:
+                    if sample.name != "fleetplane_gateway_requests_total":
+                        continue
+                    entry = totals.setdefault(sample.labels["deployment"], [0.0, 0.0])
+                    entry[0] += sample.value
+                    if not sample.labels["status"].startswith("2"):
+                        entry[1] += sample.value
+            elif family.name == "fleetplane_gateway_in_flight_requests":
+                for sample in family.samples:
+                    deployment = sample.labels["deployment"]
+                    in_flight[deployment] = in_flight.get(deployment, 0.0) + sample.value
+        seconds = at - self.last_at
+        out: dict[str, dict[str, float | None]] = {}
+        for deployment, (count, errors) in totals.items():
+            before = self.last.get(deployment)
+            requests = rate(count, before[0] if before else None, seconds)
+            failed = rate(errors, before[1] if before else None, seconds)
+            out[deployment] = {
+                "requests_per_s": rounded(requests, 3),
+                "error_rate": rounded(failed / requests) if requests and failed is not None
+                else (0.0 if requests == 0 else None)}
+        self.last = {deployment: (count, errors) for deployment, (count, errors)
+                     in totals.items()}
+        self.last_at = at
+        out["_in_flight"] = dict(in_flight)  # type: ignore[assignment]
+        return out
+
+
+def cpu_figures(pids: Iterable[int], cache: dict[int, Any]) -> dict[str, Any]:
+    """CPU percent (of one core) and resident memory of a replica's process group."""
+    import psutil
+
+    cpu = 0.0
+    rss = 0
+    seen = False
+    for pid in pids:
+        try:
+            process = cache.get(pid)
+            if process is None:
+                process = cache[pid] = psutil.Process(pid)
+                process.cpu_percent(None)  # the first call only starts the measurement
+            cpu += process.cpu_percent(None)
+            rss += process.memory_info().rss
+            seen = True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            cache.pop(pid, None)
+    if not seen:
+        return {"accelerator": "cpu"}
+    return {"accelerator": "cpu", "cpu_percent": round(cpu, 1),
+            "memory_mib": round(rss / 2**20, 1)}
+
+
+def process_group(pid: int) -> list[int]:
+    """The replica's process and its children (vLLM's engine core is a child)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        return [pid] + [child.pid for child in parent.children(recursive=True)]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+class Nvml:
+    """Local GPUs through NVML (the nvidia-ml-py package), when it loads."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml: Any = pynvml
+            self.count = pynvml.nvmlDeviceGetCount()
+            self.ready = self.count > 0
+        except Exception:
+            self.ready = False
+
+    def figures(self, pids: set[int]) -> dict[str, Any] | None:
+        """The GPUs running any of these processes, summed (utilisation averaged)."""
+        if not self.ready:
+            return None
+        nvml = self.nvml
+        used = free = power = 0.0
+        utils: list[float] = []
+        temps: list[float] = []
+        for index in range(self.count):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            running = {p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+            if not running & pids:
+                continue
+            utils.append(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            used += memory.used / 2**20
+            free += memory.free / 2**20
+            with contextlib.suppress(Exception):
+                power += nvml.nvmlDeviceGetPowerUsage(handle) / 1000
+            with contextlib.suppress(Exception):
+                temps.append(nvml.nvmlDeviceGetTemperature(handle, 0))
+        if not utils:
+            return None
+        return {"accelerator": "gpu", "gpu_util": round(sum(utils) / len(utils), 1),
+                "mem_used_mib": round(used), "mem_free_mib": round(free),
+                "power_w": round(power, 1), "temperature_c": max(temps) if temps else None}
+
+
+def parse_dcgm(text: str) -> dict[str, dict[str, float]]:
+    """DCGM exporter figures keyed by the pod (Kubernetes) or the host, else "gpu<N>"."""
+    out: dict[str, dict[str, float]] = {}
+    kept = "\n".join(line for line in text.splitlines()
+                     if line.startswith(tuple(DCGM)) or line.startswith("# TYPE DCGM_"))
+    for family in text_string_to_metric_families(kept + "\n"):
+        key = DCGM.get(family.name)
+        if key is None:
+            continue
+        for sample in family.samples:
+            labels = sample.labels
+            owner = (labels.get("pod") or labels.get("exported_pod")
+                     or labels.get("Hostname") or f"gpu{labels.get('gpu', '?')}")
+            out.setdefault(owner, {})[key] = sample.value
+    return out
+
+
+class MetricsStore:
+    """Every replica's series, the gateway's, and the fleet summary of the last pass."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.replicas: dict[str, ReplicaSeries] = {}
+        self.gateway: dict[str, deque[dict[str, Any]]] = {}
+        self.fleet: dict[str, Any] = {"type": "fleet", "at": None, "deployments": []}
+        self.last_pass_seconds = 0.0
+
+    def series(self, target: Target) -> ReplicaSeries:
+        series = self.replicas.get(target.name)
+        if series is None:
+            series = self.replicas[target.name] = ReplicaSeries(target, self.interval)
+        series.target = target
+        return series
+
+    def gateway_series(self, deployment: str) -> deque[dict[str, Any]]:
+        series = self.gateway.get(deployment)
+        if series is None:
+            series = self.gateway[deployment] = deque(
+                maxlen=max(450, math.ceil(HISTORY_SECONDS / self.interval) + 1))
+        return series
+
+    def forget(self, live: set[str], deployments: set[str]) -> None:
+        for name in set(self.replicas) - live:
+            del self.replicas[name]
+        for name in set(self.gateway) - deployments:
+            del self.gateway[name]
+
+    def deployment_history(self, deployment: str) -> dict[str, Any]:
+        """Everything kept for one deployment: sent when a dashboard connects."""
+        return {"type": "history", "deployment": deployment, "interval": self.interval,
+                "replicas": {name: {"role": s.target.role, "samples": list(s.samples)}
+                             for name, s in sorted(self.replicas.items())
+                             if s.target.deployment == deployment},
+                "gateway": list(self.gateway.get(deployment, ()))}
+
+
+def latest(samples: deque[dict[str, Any]], key: str) -> float | None:
+    return samples[-1].get(key) if samples else None
+
+
+def total(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def mean(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+class Collector:
+    def __init__(self, interval: float | None = None) -> None:
+        from serving.upstream import Pool
+
+        self.interval = interval if interval is not None else settings_interval()
+        self.timeout = min(float(settings.SCRAPE_TIMEOUT), self.interval)
+        self.store = MetricsStore(self.interval)
+        self.client = Pool()
+        self.gateway_counters = GatewayCounters()
+        self.processes: dict[int, Any] = {}
+        self.nvml: Nvml | None = None
+        self.concurrency = asyncio.Semaphore(128)
+
+    # --- targets -----------------------------------------------------------------------
+
+    @staticmethod
+    def load_targets() -> tuple[list[Target], dict[str, dict[str, int]]]:
+        from django.db import close_old_connections
+
+        from controlplane.models import Deployment, Replica
+
+        close_old_connections()
+        deployments = {d.name: {"desired": d.desired_replicas(), "ready": 0, "standby": 0}
+                       for d in Deployment.objects.filter(deleting=False)}
+        targets = []
+        live = (Replica.Phase.READY, Replica.Phase.DRAINING)
+        for row in Replica.objects.filter(phase__in=live).exclude(endpoint="").values(
+                "name", "deployment__name", "endpoint", "role", "phase", "pid",
+                "deployment__backend__kind"):
+            deployment = row["deployment__name"]
+            counts = deployments.setdefault(deployment, {"desired": 0, "ready": 0,
+                                                         "standby": 0})
+            if row["phase"] == Replica.Phase.READY:
+                counts["standby" if row["role"] == "standby" else "ready"] += 1
+            targets.append(Target(row["name"], deployment, row["endpoint"], row["role"],
+                                  row["phase"], row["pid"],
+                                  row["deployment__backend__kind"] == "local"))
+        return targets, deployments
+
+    # --- scraping ----------------------------------------------------------------------
+
+    async def fetch(self, url: str, path: str) -> str:
+        async with self.concurrency, asyncio.timeout(self.timeout):
+            response = await self.client.request("GET", url, path)
+            try:
+                if response.status != 200:
+                    raise ValueError(f"HTTP {response.status}")
+                return (await response.read()).decode("utf-8", "replace")
+            finally:
+                response.release()
+
+    async def scrape(self, target: Target) -> Scrape | None:
+        try:
+            text = await self.fetch(target.url, "/metrics")
+        except Exception as exc:  # any failure is one missing sample, never a crash
+            logger.debug("scrape of %s failed: %s", target.name, exc)
+            return None
+        try:
+            return parse_metrics(text)
+        except Exception as exc:
+            logger.warning("metrics of %s could not be parsed: %s", target.name, exc)
+            return None
+
+    async def accelerator_figures(self, targets: list[Target]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        if settings.DCGM_EXPORTER_URL:
+            try:
+                base, _, path = str(settings.DCGM_EXPORTER_URL).partition("://")
+                host, _, rest = path.partition("/")
+                by_owner = parse_dcgm(await self.fetch(f"{base}://{host}", "/" + rest))
+            except Exception as exc:
+                logger.debug("DCGM exporter scrape failed: %s", exc)
+                by_owner = {}
+            for target in targets:
+                figures = by_owner.get(target.name)
+                if figures:
+                    out[target.name] = {"accelerator": "gpu", **figures}
+            if by_owner:
+                return out
+        local = [t for t in targets if t.local and t.pid]
+        if not local:
+            return out
+        if self.nvml is None:
+            self.nvml = await asyncio.to_thread(Nvml)
+        groups = {t.name: process_group(t.pid) for t in local if t.pid}
+        for target in local:
+            pids = groups.get(target.name) or []
+            gpu = self.nvml.figures(set(pids)) if self.nvml.ready else None
+            out[target.name] = gpu or cpu_figures(pids, self.processes)
+        return out
+
+    async def one_pass(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        targets, deployments = await sync_to_async(self.load_targets,
+                                                   thread_sensitive=False)()
+        scrapes = await asyncio.gather(*(self.scrape(t) for t in targets))
+        accelerators = await self.accelerator_figures(targets)
+        at = time.time()
+        gateway = self.gateway_counters.read(at)
+        in_flight: dict[str, float] = gateway.pop("_in_flight", {})  # type: ignore[assignment]
+        store = self.store
+        per_deployment: dict[str, list[dict[str, Any]]] = {name: [] for name in deployments}
+        latest_samples: dict[str, dict[str, Any]] = {}
+        for target, scrape in zip(targets, scrapes, strict=True):
+            series = store.series(target)
+            if scrape is None:
+                series.failures += 1
+                continue
+            series.failures = 0
+            sample = series.add(at, scrape, accelerators.get(target.name, {}))
+            latest_samples[target.name] = sample
+            per_deployment.setdefault(target.deployment, []).append(
+                {"name": target.name, "role": target.role, "phase": target.phase,
+                 "sample": sample})
+        store.forget({t.name for t in targets}, set(deployments))
+        summaries = []
+        updates: dict[str, dict[str, Any]] = {}
+        for name in sorted(per_deployment):
+            replicas = per_deployment[name]
+            samples = [r["sample"] for r in replicas if r["role"] != "standby"]
+            gate = gateway.get(name, {})
+            gateway_sample = {"t": round(at, 3), "requests_per_s": gate.get("requests_per_s"),
+                              "error_rate": gate.get("error_rate"),
+                              "in_flight": in_flight.get(name)}
+            store.gateway_series(name).append(gateway_sample)
+            counts = deployments.get(name, {"desired": 0, "ready": 0, "standby": 0})
+            waiting = total(s.get("waiting") for s in samples)
+            running = total(s.get("running") for s in samples)
+            summary = {
+                "name": name, "ready": counts["ready"], "desired": counts["desired"],
+                "standby": counts["standby"],
+                "requests_per_s": gate.get("requests_per_s"),
+                "tokens_per_s": rounded(total(s.get("gen_tps") for s in samples), 2),
+                "waiting": waiting, "running": running,
+                "kv_cache": rounded(mean(s.get("kv_cache") for s in samples)),
+                "ttft_p50": rounded(mean(s.get("ttft_p50") for s in samples), 5),
+                "ttft_p95": rounded(max((s["ttft_p95"] for s in samples
+                                         if s.get("ttft_p95") is not None), default=None), 5),
+                "error_rate": gate.get("error_rate"),
+                "scrape_failures": sum(1 for t in targets if t.deployment == name
+                                       and store.replicas[t.name].failures),
+            }
+            summaries.append(summary)
+            updates[name] = {"type": "update", "deployment": name, "t": round(at, 3),
+                             "summary": summary, "gateway": gateway_sample,
+                             "replicas": replicas}
+        store.fleet = {"type": "fleet", "t": round(at, 3), "deployments": summaries}
+        store.last_pass_seconds = time.perf_counter() - started
+        await self.publish(updates)
+        return {"targets": len(targets), "scraped": len(latest_samples),
+                "seconds": store.last_pass_seconds}
+
+    async def publish(self, updates: dict[str, dict[str, Any]]) -> None:
+        from channels.layers import get_channel_layer
+
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        try:
+            # Serialised once here, not once per socket.
+            await layer.group_send(FLEET_GROUP, {"type": "dashboard.message",
+                                                 "text": orjson.dumps(self.store.fleet).decode()})
+            for name, update in updates.items():
+                await layer.group_send(deployment_group(name),
+                                       {"type": "dashboard.message",
+                                        "text": orjson.dumps(update).decode()})
+        except Exception:
+            logger.exception("publishing dashboard updates failed")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        logger.info("metrics collector running (every %.1f s)", self.interval)
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while not stop.is_set():
+            try:
+                await self.one_pass()
+            except Exception:
+                logger.exception("metrics pass failed")
+            next_at += self.interval
+            delay = next_at - loop.time()
+            if delay < 0:  # a slow pass: start again from now rather than catch up
+                next_at, delay = loop.time(), 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+        self.client.close()
+
+
+def deployment_group(name: str) -> str:
+    return f"dashboard.deployment.{name}"
+
+
+collector: Collector | None = None
+
+
+def current() -> Collector | None:
+    """The collector running in this process, if any (the dashboards read its store)."""
+    return collector
+
+
+async def run_collector(stop: asyncio.Event) -> None:
+    global collector
+    collector = Collector()
+    await collector.run(stop)

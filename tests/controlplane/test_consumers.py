@@ -1,0 +1,314 @@
+"""The WebSocket consumers through Channels' test communicator, against FAKE engines
+(fakes/engine.py) behind the gateway's route table: who may connect, what bad frames get
+back, the playground's streaming, Stop, and the cleanup when a socket closes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+import pytest
+from asgiref.sync import sync_to_async
+from asgiref.testing import ApplicationCommunicator
+from channels.routing import URLRouter
+from django.contrib.auth.models import AnonymousUser, Permission, User
+
+from controlplane.asgi import websocket_urlpatterns
+from serving.models import UsageRecord
+from serving.routes import build_table, routes
+from tests.engines import FakeEngine, publish
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+application = URLRouter(websocket_urlpatterns)
+
+
+class WebsocketCommunicator(ApplicationCommunicator):
+    """A WebSocket client speaking ASGI to the application in this process (what
+    channels.testing offers, without its dependency on another server)."""
+
+    def __init__(self, app: Any, path: str) -> None:
+        super().__init__(app, {"type": "websocket", "path": path,
+                               "raw_path": path.encode(), "query_string": b"",
+                               "headers": [], "subprotocols": []})
+
+    async def connect(self, timeout: float = 5) -> tuple[bool, int | None]:
+        await self.send_input({"type": "websocket.connect"})
+        answer = await self.receive_output(timeout)
+        if answer["type"] == "websocket.close":
+            return False, answer.get("code", 1000)
+        return True, None
+
+    async def send_to(self, text_data: str | None = None,
+                      bytes_data: bytes | None = None) -> None:
+        message: dict[str, Any] = {"type": "websocket.receive"}
+        if text_data is not None:
+            message["text"] = text_data
+        else:
+            message["bytes"] = bytes_data
+        await self.send_input(message)
+
+    async def receive_from(self, timeout: float = 5) -> str:
+        answer = await self.receive_output(timeout)
+        assert answer["type"] == "websocket.send", answer
+        return str(answer.get("text"))
+
+    async def disconnect(self, code: int = 1000, timeout: float = 5) -> None:
+        await self.send_input({"type": "websocket.disconnect", "code": code})
+        await self.wait(timeout)
+
+
+@pytest.fixture(autouse=True)
+def empty_route_table() -> Iterator[None]:
+    routes.publish(build_table([]))
+    yield
+    routes.publish(build_table([]))
+
+
+@pytest.fixture(autouse=True)
+def socket_settings(settings: Any) -> None:
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    settings.WEBSOCKET_MESSAGES_PER_SECOND = 50
+    settings.USAGE_FLUSH_SECONDS = 0.1
+
+
+async def make_user(name: str = "ada", *, staff: bool = True,
+                    permission: bool = False) -> User:
+    def create() -> User:
+        user = User.objects.create_user(name, password="pw", is_staff=staff)
+        if permission:
+            user.user_permissions.add(Permission.objects.get(codename="view_deployment"))
+            user = User.objects.get(pk=user.pk)  # a fresh permission cache
+        return user
+
+    return await sync_to_async(create)()
+
+
+async def connect(path: str, user: Any) -> tuple[WebsocketCommunicator, bool, int | None]:
+    communicator = WebsocketCommunicator(application, path)
+    communicator.scope["user"] = user
+    connected, code = await communicator.connect()
+    return communicator, connected, code
+
+
+async def send(communicator: WebsocketCommunicator, message: Any) -> None:
+    await communicator.send_to(text_data=orjson.dumps(message).decode())
+
+
+async def receive(communicator: WebsocketCommunicator, timeout: float = 10) -> dict[str, Any]:
+    return orjson.loads(await communicator.receive_from(timeout=timeout))
+
+
+async def receive_until(communicator: WebsocketCommunicator, kind: str,
+                        timeout: float = 20) -> list[dict[str, Any]]:
+    seen = []
+    while True:
+        message = await receive(communicator, timeout)
+        seen.append(message)
+        if message["type"] in (kind, "error"):
+            return seen
+
+
+async def test_only_logged_in_users_who_may_see_deployments_connect() -> None:
+    _, connected, code = await connect("/ws/playground/", AnonymousUser())
+    assert not connected and code == 4401
+    _, connected, code = await connect("/ws/dashboard/", await make_user("bo", staff=False))
+    assert not connected and code == 4403
+    viewer = await make_user("cy", staff=False, permission=True)
+    communicator, connected, _ = await connect("/ws/dashboard/", viewer)
+    assert connected
+    await communicator.disconnect()
+
+
+async def test_bad_frames_get_an_error_and_the_socket_stays_usable(settings: Any) -> None:
+    settings.WEBSOCKET_MAX_MESSAGE_BYTES = 2048
+    communicator, connected, _ = await connect("/ws/playground/", await make_user())
+    assert connected
+    await communicator.send_to(text_data="{not json")
+    assert (await receive(communicator))["message"].startswith("not JSON")
+    await communicator.send_to(text_data="[1, 2]")
+    assert "JSON object" in (await receive(communicator))["message"]
+    await communicator.send_to(bytes_data=b"\x00\x01")
+    assert "text frames" in (await receive(communicator))["message"]
+    await send(communicator, {"type": "generate", "messages": [{"role": "user",
+                                                                "content": "x" * 4000}]})
+    assert "over the limit of 2048 bytes" in (await receive(communicator))["message"]
+    await send(communicator, {"type": "dance"})
+    assert "unknown message type" in (await receive(communicator))["message"]
+    await send(communicator, {"type": "ping"})
+    assert await receive(communicator) == {"type": "pong"}
+    await communicator.disconnect()
+
+
+async def test_frames_sent_too_fast_are_refused_then_allowed_again(settings: Any) -> None:
+    settings.WEBSOCKET_MESSAGES_PER_SECOND = 2  # a burst of 4, then 2 per second
+    communicator, _, _ = await connect("/ws/playground/", await make_user())
+    answers = []
+    for _ in range(6):
+        await send(communicator, {"type": "ping"})
+        answers.append(await receive(communicator))
+    assert answers[:4] == [{"type": "pong"}] * 4
+    assert all("too many messages" in a["message"] for a in answers[4:])
+    await asyncio.sleep(0.6)
+    await send(communicator, {"type": "ping"})
+    assert await receive(communicator) == {"type": "pong"}
+    await communicator.disconnect()
+
+
+async def test_bad_generation_requests_are_named(
+        fake_engines: Callable[..., FakeEngine]) -> None:
+    publish("demo", [fake_engines("e1")])
+    communicator, _, _ = await connect("/ws/playground/", await make_user())
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"deployment": "nope", "messages": [{"role": "user", "content": "hi"}]},
+         "no deployment named 'nope'"),
+        ({"deployment": "demo", "messages": [{"role": "user", "content": "  "}]},
+         "the prompt is empty"),
+        ({"deployment": "demo", "messages": []}, "`messages` must be a non-empty list"),
+        ({"deployment": "demo", "messages": [{"role": "user", "content": "hi"}],
+          "max_tokens": 0}, "`max_tokens` must be a number from 1 to 2048"),
+        ({"deployment": "demo", "messages": [{"role": "user", "content": "hi"}],
+          "temperature": 9}, "`temperature` must be a number from 0 to 2"),
+        ({"deployment": "demo", "messages": [{"role": "user", "content": "hi"}],
+          "seed": "x"}, "`seed` must be a whole number"),
+    ]
+    for fields, expected in cases:
+        await send(communicator, {"type": "generate", "id": "a", **fields})
+        message = await receive(communicator)
+        assert message["type"] == "error" and expected in message["message"], message
+    await communicator.disconnect()
+
+
+async def test_an_oversized_prompt_is_refused(settings: Any,
+                                              fake_engines: Callable[..., FakeEngine]) -> None:
+    settings.PLAYGROUND_MAX_PROMPT_CHARS = 100
+    publish("demo", [fake_engines("e1")])
+    communicator, _, _ = await connect("/ws/playground/", await make_user())
+    await send(communicator, {"type": "generate", "deployment": "demo",
+                              "messages": [{"role": "user", "content": "y" * 101}]})
+    message = await receive(communicator)
+    assert "over the limit of 100" in message["message"]
+    await communicator.disconnect()
+
+
+async def test_an_answer_streams_token_by_token_with_its_figures(
+        fake_engines: Callable[..., FakeEngine]) -> None:
+    publish("demo", [fake_engines("e1", interval_ms=5)])
+    communicator, _, _ = await connect("/ws/playground/", await make_user())
+    await send(communicator, {"type": "generate", "id": "a", "deployment": "demo",
+                              "system": "Be brief.", "max_tokens": 12, "seed": 3,
+                              "messages": [{"role": "user", "content": "Count."}]})
+    seen = await receive_until(communicator, "done")
+    assert seen[0]["type"] == "started" and seen[0]["replica"] == "e1"
+    tokens = [m for m in seen if m["type"] == "token"]
+    assert len(tokens) >= 6  # paced tokens arrive as separate messages
+    assert "".join(t["text"] for t in tokens) == " tok" * 12
+    stats = seen[-1]["stats"]
+    assert stats["completion_tokens"] == 12 and stats["prompt_tokens"] == 5
+    assert stats["ttft_ms"] > 0 and stats["tokens_per_s"] > 0
+    await asyncio.sleep(0.5)  # the usage writer's batch
+    record = await sync_to_async(UsageRecord.objects.get)()
+    assert record.username == "ada" and record.key_id is None and record.deployment == "demo"
+    assert record.completion_tokens == 12 and record.status == 200
+    await communicator.disconnect()
+
+
+async def test_side_by_side_runs_two_deployments_at_once(
+        fake_engines: Callable[..., FakeEngine]) -> None:
+    from serving.routes import Pool, RouteReplica
+
+    left, right = fake_engines("l1", interval_ms=5), fake_engines("r1", model="other",
+                                                                  interval_ms=5)
+    routes.publish(build_table([
+        Pool(deployment="left", served_model_name="fake", policy="least-load",
+             max_model_len=2048, replicas=(RouteReplica("l1", left.url),),
+             names=("fake", "left")),
+        Pool(deployment="right", served_model_name="other", policy="least-load",
+             max_model_len=2048, replicas=(RouteReplica("r1", right.url),),
+             names=("other", "right"))]))
+    communicator, _, _ = await connect("/ws/playground/", await make_user())
+    for ident, deployment in (("a", "left"), ("b", "right")):
+        await send(communicator, {"type": "generate", "id": ident, "deployment": deployment,
+                                  "max_tokens": 20,
+                                  "messages": [{"role": "user", "content": "go"}]})
+    done: dict[str, str] = {}
+    replicas: dict[str, str] = {}
+    text = {"a": "", "b": ""}
+    while len(done) < 2:
+        message = await receive(communicator)
+        assert message["type"] != "error", message
+        if message["type"] == "started":
+            replicas[message["id"]] = message["replica"]
+        elif message["type"] == "token":
+            assert message["id"] in done or len(done) < 2
+            text[message["id"]] += message["text"]
+        elif message["type"] == "done":
+            done[message["id"]] = message["stats"]["finish_reason"]
+    assert replicas == {"a": "l1", "b": "r1"}
+    assert text == {"a": " tok" * 20, "b": " tok" * 20}
+    await communicator.disconnect()
+
+
+async def test_stop_cancels_the_generation_and_its_upstream_request(
+        fake_engines: Callable[..., FakeEngine]) -> None:
+    engine = fake_engines("e1", interval_ms=50)
+    publish("demo", [engine])
+    communicator, _, _ = await connect("/ws/playground/", await make_user())
+    await send(communicator, {"type": "generate", "id": "a", "deployment": "demo",
+                              "max_tokens": 500,
+                              "messages": [{"role": "user", "content": "go on"}]})
+    assert (await receive(communicator))["type"] == "started"
+    assert (await receive(communicator))["type"] == "token"
+    await send(communicator, {"type": "stop", "id": "a"})
+    seen = await receive_until(communicator, "stopped")
+    assert seen[-1] == {"type": "stopped", "id": "a"}
+    for _ in range(50):  # the engine notices the closed connection at its next token
+        if await sync_to_async(engine.metric)("fake:client_disconnects_total") == 1:
+            break
+        await asyncio.sleep(0.1)
+    assert await sync_to_async(engine.metric)("fake:client_disconnects_total") == 1
+    # The socket goes on working.
+    await send(communicator, {"type": "generate", "id": "a", "deployment": "demo",
+                              "max_tokens": 2,
+                              "messages": [{"role": "user", "content": "again"}]})
+    assert (await receive_until(communicator, "done"))[-1]["type"] == "done"
+    await communicator.disconnect()
+
+
+async def test_closing_the_socket_cancels_what_it_started(
+        fake_engines: Callable[..., FakeEngine]) -> None:
+    engine = fake_engines("e1", interval_ms=50)
+    publish("demo", [engine])
+    communicator, _, _ = await connect("/ws/playground/", await make_user())
+    await send(communicator, {"type": "generate", "id": "a", "deployment": "demo",
+                              "max_tokens": 500,
+                              "messages": [{"role": "user", "content": "go on"}]})
+    assert (await receive(communicator))["type"] == "started"
+    await communicator.disconnect()
+    for _ in range(50):
+        if await sync_to_async(engine.metric)("fake:client_disconnects_total") == 1:
+            break
+        await asyncio.sleep(0.1)
+    assert await sync_to_async(engine.metric)("fake:client_disconnects_total") == 1
+    assert await sync_to_async(engine.metric)("vllm:num_requests_running") == 0
+
+
+async def test_no_ready_replica_is_an_error_message(
+        fake_engines: Callable[..., FakeEngine]) -> None:
+    publish("demo", [])
+    communicator, _, _ = await connect("/ws/playground/", await make_user())
+    await send(communicator, {"type": "generate", "id": "a", "deployment": "demo",
+                              "messages": [{"role": "user", "content": "hi"}]})
+    message = await receive(communicator)
+    assert message["type"] == "error" and "no ready replica" in message["message"]
+    await communicator.disconnect()
+
+
+async def test_a_dashboard_for_an_unknown_deployment_says_so_and_closes() -> None:
+    communicator, connected, _ = await connect("/ws/dashboard/nope/", await make_user())
+    assert connected
+    message = await receive(communicator)
+    assert message["type"] == "error" and "no deployment named 'nope'" in message["message"]
+    assert (await communicator.receive_output(timeout=5))["code"] == 4404
