@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 logger = logging.getLogger(__name__)
 
 HISTORY_SECONDS = 15 * 60
+SUMMARY_SECONDS = 30.0  # the window of the summaries' rates and quantiles
 FLEET_GROUP = "dashboard.fleet"
 
 # vLLM's names; older names in parentheses are read when the new one is absent.
@@ -180,6 +181,7 @@ class ReplicaSeries:
         self.last: Scrape | None = None
         self.last_at = 0.0
         self.failures = 0
+        self.window: deque[tuple[float, Scrape]] = deque()
 
     def add(self, at: float, scrape: Scrape, accelerator: dict[str, Any]) -> dict[str, Any]:
         previous, seconds = self.last, at - self.last_at
@@ -208,8 +210,37 @@ class ReplicaSeries:
             sample[f"{key}_p95"] = rounded(quantile(0.95, delta), 5)
         sample.update(accelerator)
         self.last, self.last_at = scrape, at
+        self.window.append((at, scrape))
+        while len(self.window) > 2 and self.window[1][0] <= at - SUMMARY_SECONDS:
+            self.window.popleft()
         self.samples.append(sample)
         return sample
+
+
+def window_figures(series: list[ReplicaSeries]) -> dict[str, float | None]:
+    """Tokens per second and TTFT quantiles of these replicas over the summary window
+    (their histograms summed, so the quantiles are the deployment's, not an average)."""
+    tokens = 0.0
+    seconds = 0.0
+    counted = False
+    merged: dict[float, float] = {}
+    for one in series:
+        if len(one.window) < 2:
+            continue
+        (start, first), (end, last) = one.window[0], one.window[-1]
+        generated = rate(last.counters.get("generation_tokens"),
+                         first.counters.get("generation_tokens"), end - start)
+        if generated is not None:
+            tokens += generated
+            counted = True
+        seconds = max(seconds, end - start)
+        now = last.histograms.get("ttft")
+        if now:
+            for bound, count in bucket_delta(now, first.histograms.get("ttft")).items():
+                merged[bound] = merged.get(bound, 0.0) + count
+    return {"tokens_per_s": round(tokens, 2) if counted else None,
+            "ttft_p50": rounded(quantile(0.5, merged), 5),
+            "ttft_p95": rounded(quantile(0.95, merged), 5)}
 
 
 class GatewayCounters:
@@ -218,6 +249,7 @@ class GatewayCounters:
     def __init__(self) -> None:
         self.last: dict[str, tuple[float, float]] = {}
         self.last_at = 0.0
+        self.window: deque[tuple[float, dict[str, tuple[float, float]]]] = deque()
 
     def read(self, at: float) -> dict[str, dict[str, float | None]]:
         from serving import metrics
@@ -251,6 +283,18 @@ class GatewayCounters:
         self.last = {deployment: (count, errors) for deployment, (count, errors)
                      in totals.items()}
         self.last_at = at
+        self.window.append((at, self.last))
+        while len(self.window) > 2 and self.window[1][0] <= at - SUMMARY_SECONDS:
+            self.window.popleft()
+        start, oldest = self.window[0]
+        for deployment, (count, errors) in self.last.items():
+            before = oldest.get(deployment, (0.0, 0.0)) if start < at else None
+            requests = rate(count, before[0] if before else None, at - start)
+            failed = rate(errors, before[1] if before else None, at - start)
+            out.setdefault(deployment, {})["window_requests_per_s"] = rounded(requests, 3)
+            out[deployment]["window_error_rate"] = (
+                rounded(failed / requests) if requests and failed is not None
+                else (0.0 if requests == 0 else None))
         out["_in_flight"] = dict(in_flight)  # type: ignore[assignment]
         return out
 
@@ -529,19 +573,20 @@ class Collector:
                               "in_flight": in_flight.get(name)}
             store.gateway_series(name).append(gateway_sample)
             counts = deployments.get(name, {"desired": 0, "ready": 0, "standby": 0})
+            window = window_figures([store.replicas[r["name"]] for r in replicas
+                                     if r["role"] != "standby"])
             waiting = total(s.get("waiting") for s in samples)
             running = total(s.get("running") for s in samples)
             summary = {
                 "name": name, "ready": counts["ready"], "desired": counts["desired"],
                 "standby": counts["standby"],
-                "requests_per_s": gate.get("requests_per_s"),
-                "tokens_per_s": rounded(total(s.get("gen_tps") for s in samples), 2),
+                "window_seconds": SUMMARY_SECONDS,
+                "requests_per_s": gate.get("window_requests_per_s"),
+                "tokens_per_s": window["tokens_per_s"],
                 "waiting": waiting, "running": running,
                 "kv_cache": rounded(mean(s.get("kv_cache") for s in samples)),
-                "ttft_p50": rounded(mean(s.get("ttft_p50") for s in samples), 5),
-                "ttft_p95": rounded(max((s["ttft_p95"] for s in samples
-                                         if s.get("ttft_p95") is not None), default=None), 5),
-                "error_rate": gate.get("error_rate"),
+                "ttft_p50": window["ttft_p50"], "ttft_p95": window["ttft_p95"],
+                "error_rate": gate.get("window_error_rate"),
                 "scrape_failures": sum(1 for t in targets if t.deployment == name
                                        and store.replicas[t.name].failures),
             }

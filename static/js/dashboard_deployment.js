@@ -66,7 +66,19 @@
       chart.element.dataset.series = String(series.length);
       const last = series.length ? series[0].values[series[0].values.length - 1] : null;
       chart.element.dataset.last = last === null || last === undefined ? "" : String(last);
-      if (!series.length) continue;
+      let empty = chart.element.querySelector(".hint");
+      if (!series.length) {
+        if (!empty) {
+          empty = document.createElement("p");
+          empty.className = "hint";
+          empty.textContent = id === "accel"
+            ? "No figures: the replicas are not local and no DCGM exporter is configured."
+            : "No figures yet.";
+          chart.element.append(empty);
+        }
+        continue;
+      }
+      if (empty) empty.remove();
       if (chart.signature !== signature || !chart.plot) {
         if (chart.plot) chart.plot.destroy();
         const options = {
