@@ -57,6 +57,10 @@ HISTOGRAMS = {
     "vllm:time_per_output_token_seconds": "itl",
 }
 WANTED = tuple(f"{name}" for name in (*GAUGES, *COUNTERS, *HISTOGRAMS))
+# The sample lines read: gauges, counters' _total, histograms' _bucket (not _sum, _count,
+# _created).
+WANTED_SAMPLES = frozenset((*GAUGES, *(f"{name}_total" for name in COUNTERS),
+                            *(f"{name}_bucket" for name in HISTOGRAMS)))
 DCGM = {
     "DCGM_FI_DEV_GPU_UTIL": "gpu_util",
     "DCGM_FI_DEV_FB_USED": "mem_used_mib",
@@ -79,16 +83,46 @@ class Scrape:
     histograms: dict[str, dict[float, float]] = field(default_factory=dict)
 
 
+def reduce_exposition(text: str) -> str:
+    """The sample lines the dashboards read, with every label but `le` dropped: a vLLM server
+    exposes hundreds of lines, and most of the parser's time goes into labels. Label sets
+    that differ only in dropped labels (engines, finish reasons) become repeated samples,
+    which are added up."""
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):  # samples are matched by name: TYPE and HELP are not read
+            continue
+        if not line.startswith(WANTED):
+            continue
+        open_at = line.find("{")
+        if open_at < 0:
+            if line[:line.find(" ")] in WANTED_SAMPLES:
+                kept.append(line)
+            continue
+        if line[:open_at] not in WANTED_SAMPLES:
+            continue
+        close_at = line.rfind("}")
+        labels = line[open_at + 1:close_at]
+        le_at = labels.find('le="')
+        if le_at < 0:
+            kept.append(line[:open_at] + line[close_at + 1:])
+        else:
+            le_end = labels.find('"', le_at + 4)
+            kept.append(f"{line[:open_at]}{{{labels[le_at:le_end + 1]}}}{line[close_at + 1:]}")
+    return "\n".join(kept) + "\n"
+
+
 def parse_metrics(text: str) -> Scrape:
-    """Parse with prometheus-client's parser, after dropping every line the dashboards do
-    not read (a vLLM server exposes hundreds). Samples are matched by their own names, so
-    TYPE lines written with or without `_total` read the same."""
-    kept = "\n".join(line for line in text.splitlines()
-                     if line.startswith(WANTED) or (line.startswith("# TYPE vllm:")
-                                                    and line[7:].startswith(WANTED)))
+    """A /metrics text reduced to the dashboard figures."""
+    return parse_reduced(reduce_exposition(text))
+
+
+def parse_reduced(kept: str) -> Scrape:
+    """Parse a reduced exposition with prometheus-client's parser. Samples are matched by
+    their own names, so TYPE lines written with or without `_total` read the same."""
     scrape = Scrape()
     older: dict[str, float] = {}
-    for family in text_string_to_metric_families(kept + "\n"):
+    for family in text_string_to_metric_families(kept):
         for sample in family.samples:
             name = sample.name
             if name in GAUGES:
@@ -182,6 +216,8 @@ class ReplicaSeries:
         self.last_at = 0.0
         self.failures = 0
         self.window: deque[tuple[float, Scrape]] = deque()
+        self.last_text = ""  # the reduced exposition last parsed, and its result:
+        self.last_parsed: Scrape | None = None  # an idle replica's is not parsed again
 
     def add(self, at: float, scrape: Scrape, accelerator: dict[str, Any]) -> dict[str, Any]:
         previous, seconds = self.last, at - self.last_at
@@ -459,6 +495,7 @@ class Collector:
         self.processes: dict[int, Any] = {}
         self.nvml: Nvml | None = None
         self.concurrency = asyncio.Semaphore(128)
+        self.parsed_last_pass = 0
 
     # --- targets -----------------------------------------------------------------------
 
@@ -498,17 +535,49 @@ class Collector:
             finally:
                 response.release()
 
-    async def scrape(self, target: Target) -> Scrape | None:
+    async def scrape(self, target: Target) -> str | None:
+        """The replica's exposition, reduced; None when the scrape fails."""
         try:
-            text = await self.fetch(target.url, "/metrics")
+            return reduce_exposition(await self.fetch(target.url, "/metrics"))
         except Exception as exc:  # any failure is one missing sample, never a crash
             logger.debug("scrape of %s failed: %s", target.name, exc)
             return None
-        try:
-            return parse_metrics(text)
-        except Exception as exc:
-            logger.warning("metrics of %s could not be parsed: %s", target.name, exc)
-            return None
+
+    async def parse_all(self, targets: list[Target], texts: list[str | None]
+                        ) -> list[Scrape | None]:
+        """Parse what changed since each replica's last scrape, in a worker thread (the
+        event loop serves the gateway meanwhile); reuse the last result for the rest."""
+        results: list[Scrape | None] = [None] * len(texts)
+        changed: list[int] = []
+        for index, (target, text) in enumerate(zip(targets, texts, strict=True)):
+            if text is None:
+                continue
+            series = self.store.replicas.get(target.name)
+            if series is not None and series.last_parsed is not None and \
+                    series.last_text == text:
+                results[index] = series.last_parsed
+            else:
+                changed.append(index)
+
+        def parse(batch: list[str]) -> list[Scrape | None]:
+            out: list[Scrape | None] = []
+            for text in batch:
+                try:
+                    out.append(parse_reduced(text))
+                except Exception as exc:
+                    logger.warning("metrics could not be parsed: %s", exc)
+                    out.append(None)
+            return out
+
+        if changed:
+            parsed = await asyncio.to_thread(parse, [texts[i] or "" for i in changed])
+            for index, scrape in zip(changed, parsed, strict=True):
+                results[index] = scrape
+                if scrape is not None:
+                    series = self.store.series(targets[index])
+                    series.last_text, series.last_parsed = texts[index] or "", scrape
+        self.parsed_last_pass = len(changed)
+        return results
 
     async def accelerator_figures(self, targets: list[Target]) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -542,7 +611,8 @@ class Collector:
         started = time.perf_counter()
         targets, deployments = await sync_to_async(self.load_targets,
                                                    thread_sensitive=False)()
-        scrapes = await asyncio.gather(*(self.scrape(t) for t in targets))
+        texts = await asyncio.gather(*(self.scrape(t) for t in targets))
+        scrapes = await self.parse_all(targets, list(texts))
         accelerators = await self.accelerator_figures(targets)
         at = time.time()
         gateway = self.gateway_counters.read(at)
@@ -598,6 +668,7 @@ class Collector:
         store.last_pass_seconds = time.perf_counter() - started
         await self.publish(updates)
         return {"targets": len(targets), "scraped": len(latest_samples),
+                "parsed": self.parsed_last_pass,
                 "seconds": store.last_pass_seconds}
 
     async def publish(self, updates: dict[str, dict[str, Any]]) -> None:

@@ -231,6 +231,22 @@ class FakeEngine:
         return "\n".join(lines) + "\n"
 
 
+class PerPort:
+    """One fake engine per listening port, in one process: each endpoint has its own
+    counters and queues, as separate replicas would."""
+
+    def __init__(self, model: str, token_interval: float) -> None:
+        self.model, self.token_interval = model, token_interval
+        self.engines: dict[int, FakeEngine] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        port = (scope.get("server") or ("", 0))[1]
+        engine = self.engines.get(port)
+        if engine is None:
+            engine = self.engines[port] = FakeEngine(self.model, self.token_interval)
+        await engine(scope, receive, send)
+
+
 async def respond(send: Send, status: int, body: bytes,
                   content_type: str = "application/json") -> None:
     await send({"type": "http.response.start", "status": status,
@@ -252,8 +268,8 @@ def main() -> None:
     options = parser.parse_args()
     import uvicorn
 
-    engine = FakeEngine(options.model, options.token_interval_ms / 1000)
     if not options.extra_ports:
+        engine = FakeEngine(options.model, options.token_interval_ms / 1000)
         uvicorn.run(engine, host=options.host, port=options.port, log_level="warning",
                     access_log=False, lifespan="on")
         return
@@ -269,7 +285,9 @@ def main() -> None:
     if options.ports_file:
         with open(options.ports_file, "w") as out:
             out.write("".join(f"{s.getsockname()[1]}\n" for s in sockets))
-    server = uvicorn.Server(uvicorn.Config(engine, log_level="warning", access_log=False,
+    server = uvicorn.Server(uvicorn.Config(PerPort(options.model,
+                                                   options.token_interval_ms / 1000),
+                                           log_level="warning", access_log=False,
                                            lifespan="on"))
     server.run(sockets=sockets)
 
