@@ -329,6 +329,9 @@ class PlaygroundConsumer(GuardedConsumer):
             status = 502
             gateway.router.failed(replica_name)
             await self.error(f"the replica failed mid-answer ({exc})", id=ident)
+        except orjson.JSONDecodeError as exc:
+            status = 502
+            await self.error(f"the engine sent an event that is not JSON ({exc})", id=ident)
         except asyncio.CancelledError:
             status = 499
             if response is not None:

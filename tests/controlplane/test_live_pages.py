@@ -5,6 +5,7 @@ test-artifacts/ (or TEST_ARTIFACTS_DIR)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -12,9 +13,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from openai import OpenAI
 
+from controlplane.backends.local import owned_processes
 from tests.product import (
     ROOT,
     Api,
@@ -66,6 +69,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         yield Live(url, username, password, key)
     finally:
         stop_server(process)
+        # Replicas outlive the server on purpose (the next start adopts them): end them.
+        for replica, _ in owned_processes(env["DATA_DIR"]):
+            with contextlib.suppress(psutil.Error):
+                replica.kill()
 
 
 def logged_in_page(browser: object, live: Live, path: str) -> object:
