@@ -144,7 +144,7 @@ async def measure(ports: list[int], passes: int, label: str) -> float:
               f"{result['parsed']} parsed (changed), {result['seconds'] * 1000:.0f} ms",
               flush=True)
         await asyncio.sleep(max(0.0, 2.0 - (time.monotonic() - started)))
-    collector.client.close()
+    collector.close()
     return statistics.median(times)
 
 

@@ -16,9 +16,11 @@ The message schema pushed to browsers is documented in docs/dashboards.md.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
+import multiprocessing
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 HISTORY_SECONDS = 15 * 60
 SUMMARY_SECONDS = 30.0  # the window of the summaries' rates and quantiles
+PARSE_BATCH = 32  # expositions handed to the parser process at a time
 FLEET_GROUP = "dashboard.fleet"
 
 # vLLM's names; older names in parentheses are read when the new one is absent.
@@ -115,6 +118,17 @@ def reduce_exposition(text: str) -> str:
 def parse_metrics(text: str) -> Scrape:
     """A /metrics text reduced to the dashboard figures."""
     return parse_reduced(reduce_exposition(text))
+
+
+def parse_batch(texts: list[str]) -> list[Scrape | None]:
+    """Parse reduced expositions (in the parser's worker process)."""
+    out: list[Scrape | None] = []
+    for text in texts:
+        try:
+            out.append(parse_reduced(text))
+        except Exception:
+            out.append(None)
+    return out
 
 
 def parse_reduced(kept: str) -> Scrape:
@@ -496,6 +510,9 @@ class Collector:
         self.nvml: Nvml | None = None
         self.concurrency = asyncio.Semaphore(128)
         self.parsed_last_pass = 0
+        self.batch: list[tuple[Target, str]] = []
+        self.parsing: list[tuple[list[tuple[Target, str]], asyncio.Future[Any]]] = []
+        self.pool: concurrent.futures.ProcessPoolExecutor | None = None
 
     # --- targets -----------------------------------------------------------------------
 
@@ -536,48 +553,68 @@ class Collector:
                 response.release()
 
     async def scrape(self, target: Target) -> str | None:
-        """The replica's exposition, reduced; None when the scrape fails."""
+        """The replica's exposition, reduced; None when the scrape fails. A changed one is
+        queued for parsing at once, so parsing runs beside the scrapes still in flight."""
         try:
-            return reduce_exposition(await self.fetch(target.url, "/metrics"))
+            text = reduce_exposition(await self.fetch(target.url, "/metrics"))
         except Exception as exc:  # any failure is one missing sample, never a crash
             logger.debug("scrape of %s failed: %s", target.name, exc)
             return None
+        series = self.store.replicas.get(target.name)
+        if series is None or series.last_parsed is None or series.last_text != text:
+            self.batch.append((target, text))
+            if len(self.batch) >= PARSE_BATCH:
+                self.submit_batch()
+        return text
+
+    def submit_batch(self) -> None:
+        batch, self.batch = self.batch, []
+        if not batch:
+            return
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self.parser_pool(), parse_batch, [t for _, t in batch])
+        self.parsing.append((batch, future))
+
+    def parser_pool(self) -> concurrent.futures.Executor:
+        """A worker process: parsing hundreds of expositions holds an interpreter for a
+        while, and in the embedded setup the gateway shares this one."""
+        if self.pool is None:
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        return self.pool
 
     async def parse_all(self, targets: list[Target], texts: list[str | None]
                         ) -> list[Scrape | None]:
-        """Parse what changed since each replica's last scrape, in a worker thread (the
-        event loop serves the gateway meanwhile); reuse the last result for the rest."""
-        results: list[Scrape | None] = [None] * len(texts)
-        changed: list[int] = []
-        for index, (target, text) in enumerate(zip(targets, texts, strict=True)):
-            if text is None:
-                continue
-            series = self.store.replicas.get(target.name)
-            if series is not None and series.last_parsed is not None and \
-                    series.last_text == text:
-                results[index] = series.last_parsed
-            else:
-                changed.append(index)
-
-        def parse(batch: list[str]) -> list[Scrape | None]:
-            out: list[Scrape | None] = []
-            for text in batch:
-                try:
-                    out.append(parse_reduced(text))
-                except Exception as exc:
-                    logger.warning("metrics could not be parsed: %s", exc)
-                    out.append(None)
-            return out
-
-        if changed:
-            parsed = await asyncio.to_thread(parse, [texts[i] or "" for i in changed])
-            for index, scrape in zip(changed, parsed, strict=True):
-                results[index] = scrape
+        """The pass's parsed expositions: the changed ones from the parser, the rest the
+        same as at the replica's last scrape."""
+        self.submit_batch()
+        parsed: dict[str, Scrape | None] = {}
+        changed = 0
+        for batch, future in self.parsing:
+            try:
+                results = await future
+            except Exception as exc:  # a broken worker: this pass's changes are missing
+                logger.warning("parsing metrics failed: %s", exc)
+                self.pool = None
+                results = [None] * len(batch)
+            for (target, reduced), scrape in zip(batch, results, strict=True):
+                parsed[target.name] = scrape
+                changed += 1
                 if scrape is not None:
-                    series = self.store.series(targets[index])
-                    series.last_text, series.last_parsed = texts[index] or "", scrape
-        self.parsed_last_pass = len(changed)
-        return results
+                    kept = self.store.series(target)
+                    kept.last_text, kept.last_parsed = reduced, scrape
+        self.parsing = []
+        self.parsed_last_pass = changed
+        out: list[Scrape | None] = []
+        for target, text in zip(targets, texts, strict=True):
+            if text is None:
+                out.append(None)
+            elif target.name in parsed:
+                out.append(parsed[target.name])
+            else:
+                series = self.store.replicas.get(target.name)
+                out.append(series.last_parsed if series is not None else None)
+        return out
 
     async def accelerator_figures(self, targets: list[Target]) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -703,7 +740,13 @@ class Collector:
                 next_at, delay = loop.time(), 0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
+        self.close()
+
+    def close(self) -> None:
         self.client.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
 
 
 def deployment_group(name: str) -> str:

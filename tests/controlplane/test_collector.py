@@ -171,6 +171,9 @@ async def test_a_pass_scrapes_every_live_replica_and_pushes_updates(
     assert samples["demo-1"]["prefix_hit_rate"] == pytest.approx(2 / 3, abs=0.01)
     history = collector.store.deployment_history("demo")
     assert len(history["replicas"]["demo-1"]["samples"]) == 2
+    # The idle replica's figures did not change: its exposition was not parsed again.
+    assert collector.parsed_last_pass == 1
+    collector.close()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -198,3 +201,4 @@ async def test_a_replica_that_stops_answering_is_a_missing_sample_not_a_failed_p
     assert result["targets"] == 2 and result["scraped"] == 0
     assert collector.store.replicas["demo-1"].failures == 1
     assert collector.store.fleet["deployments"][1]["scrape_failures"] == 1
+    collector.close()
