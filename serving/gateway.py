@@ -74,16 +74,22 @@ class Gateway:
         self.client: ConnectionPool | None = None
         self.usage: UsageWriter | None = None
         self.background: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # --- plumbing --------------------------------------------------------------------
 
     def http(self) -> ConnectionPool:
-        if self.client is None:
+        loop = asyncio.get_running_loop()
+        if self.loop is not loop:
+            # First use, or a new event loop (tests run several): connections, the usage
+            # writer and the watcher belong to the loop they were made in.
+            self.loop = loop
             self.client = ConnectionPool()
-        if self.background is None or self.background.done():
-            self.background = asyncio.get_running_loop().create_task(self.watch_load())
-        if self.usage is None:
             self.usage = UsageWriter()
+            self.background = None
+        if self.background is None or self.background.done():
+            self.background = loop.create_task(self.watch_load())
+        assert self.client is not None
         return self.client
 
     async def watch_load(self) -> None:
@@ -148,8 +154,7 @@ class Gateway:
     # --- ASGI ------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.background is None or self.background.done():
-            self.http()  # starts the load watcher, which also follows the route table
+        self.http()  # the load watcher (which also follows the route table) runs
         request_id = header(scope, b"x-request-id") or uuid.uuid4().hex
         base_headers = [(b"x-request-id", request_id.encode())]
         try:

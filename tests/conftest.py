@@ -54,8 +54,11 @@ def chromium_executable() -> str:
     raise RuntimeError("Chromium is not installed: run scripts/ensure-chromium.sh")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
+    """Chromium for one test module. Not for the session: Playwright's synchronous API
+    keeps an event loop marked running in this thread while it is open, and the async
+    tests of later modules could not start theirs."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:

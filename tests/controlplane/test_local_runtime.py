@@ -159,7 +159,9 @@ def test_killing_a_replica_under_load_replaces_it(plane: ControlPlane) -> None:
     workers = [threading.Thread(target=load) for _ in range(4)]
     for worker in workers:
         worker.start()
-    time.sleep(3)
+    # Killed only once the replica has answered under this load (a slow machine needs
+    # several seconds for the first 64-token answers).
+    plane.api.wait_for("an answer under load", lambda: "ok" in outcomes, 120, 0.2)
     os.kill(replica["pid"], signal.SIGKILL)
     try:
         [again] = plane.api.wait_for("a restarted replica", lambda: [
