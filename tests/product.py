@@ -3,8 +3,10 @@ subprocesses on a free port, with their own data folder."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -118,3 +120,20 @@ class Api:
             time.sleep(interval)
         raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; "
                              f"last seen: {last!r}")
+
+
+def end_replicas(data_dir: str) -> None:
+    """Replicas outlive the server on purpose (the next start adopts them): tests end the
+    ones their control plane started, whole process groups (vLLM's engine core and its
+    workers are children in the replica's group)."""
+    import psutil
+
+    from controlplane.backends.local import owned_processes
+
+    groups = set()
+    for process, _ in owned_processes(data_dir):
+        with contextlib.suppress(OSError, psutil.Error):
+            groups.add(os.getpgid(process.pid))
+    for group in groups:
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGKILL)

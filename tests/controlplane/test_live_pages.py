@@ -5,7 +5,6 @@ test-artifacts/ (or TEST_ARTIFACTS_DIR)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -13,14 +12,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 from openai import OpenAI
 
-from controlplane.backends.local import owned_processes
 from tests.product import (
     ROOT,
     Api,
+    end_replicas,
     free_port,
     login_from,
     manage,
@@ -69,10 +67,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         yield Live(url, username, password, key)
     finally:
         stop_server(process)
-        # Replicas outlive the server on purpose (the next start adopts them): end them.
-        for replica, _ in owned_processes(env["DATA_DIR"]):
-            with contextlib.suppress(psutil.Error):
-                replica.kill()
+        end_replicas(env["DATA_DIR"])
 
 
 def logged_in_page(browser: object, live: Live, path: str) -> object:

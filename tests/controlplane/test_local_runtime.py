@@ -23,6 +23,7 @@ import pytest
 from controlplane.backends.local import owned_processes
 from tests.product import (
     Api,
+    end_replicas,
     free_port,
     login_from,
     manage,
@@ -73,8 +74,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory,
     finally:
         plane.api.post("/api/v1/deployments/demo/scale/", {"replicas": 0})
         stop_server(plane.process)
-        for process in replica_processes(plane):
-            process.kill()
+        end_replicas(plane.env["DATA_DIR"])
 
 
 def replica_processes(plane: ControlPlane) -> list[psutil.Process]:
