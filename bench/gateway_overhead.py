@@ -214,24 +214,34 @@ def main() -> None:
     print("gateway overhead: " + "; ".join(summary))
 
 
-def measure_vllm(product: Product, processes: list[subprocess.Popen[bytes]],
-                 rounds: int) -> list[str]:
+def start_vllm(*, eager: bool) -> tuple[subprocess.Popen[bytes], str]:
+    """The real vLLM CPU server with the demo model (converted once more here), in its own
+    process group; compiled mode unless `eager`."""
     from models_registry.demo import demo_gguf_path
     from models_registry.importers import convert_gguf
 
-    folder = Path(tempfile.mkdtemp(prefix="gateway-bench-model-")) / "smollm2"
+    folder = Path(tempfile.mkdtemp(prefix="bench-model-")) / "smollm2"
     convert_gguf(demo_gguf_path(), folder, lambda percent, stage: None)
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
          "--served-model-name", "smollm2", "--port", str(port), "--max-model-len", "2048",
-         "--disable-uvicorn-access-log"], start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+         "--disable-uvicorn-access-log", *(["--enforce-eager"] if eager else [])],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
-    process.fleet_group = True  # type: ignore[attr-defined]
-    processes.append(process)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, 900)
+    try:
+        wait_healthy(url, 900, process)
+    except BaseException:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return process, url
+
+
+def measure_vllm(product: Product, processes: list[subprocess.Popen[bytes]],
+                 rounds: int) -> list[str]:
+    process, url = start_vllm(eager=False)
+    process.fleet_group = True  # type: ignore[attr-defined]
     product.route("smollm2", url)
     results = []
     for streams in (1, 32):

@@ -24,7 +24,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,8 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import Product, start_engine  # noqa: E402
-from tests.product import free_port, wait_healthy  # noqa: E402
+from bench.gateway_overhead import Product, start_engine, start_vllm  # noqa: E402
 
 PROMPT = "Name three colours of the rainbow."
 
@@ -61,24 +59,6 @@ def engine_ttft(url: str, model: str) -> float:
     return first * 1000
 
 
-def start_vllm() -> tuple[subprocess.Popen[bytes], str]:
-    from models_registry.demo import demo_gguf_path
-    from models_registry.importers import convert_gguf
-
-    folder = Path(tempfile.mkdtemp(prefix="playground-bench-model-")) / "smollm2"
-    convert_gguf(demo_gguf_path(), folder, lambda percent, stage: None)
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-         "--served-model-name", "smollm2", "--port", str(port), "--max-model-len", "2048",
-         "--enforce-eager", "--disable-uvicorn-access-log"], start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, 900, process)
-    return process, url
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vllm", action="store_true")
@@ -94,7 +74,7 @@ def main() -> None:
     engine: subprocess.Popen[bytes] | None = None
     try:
         if options.vllm:
-            engine, url = start_vllm()
+            engine, url = start_vllm(eager=True)
             name = "smollm2"
         else:
             engine, url = start_engine(10.0, "fake")

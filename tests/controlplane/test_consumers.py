@@ -251,8 +251,9 @@ async def test_side_by_side_runs_two_deployments_at_once(
     await communicator.disconnect()
 
 
-async def test_stop_cancels_the_generation_and_its_upstream_request(
-        fake_engines: Callable[..., FakeEngine]) -> None:
+async def long_generation(fake_engines: Callable[..., FakeEngine]
+                          ) -> tuple[FakeEngine, WebsocketCommunicator]:
+    """A 500-token answer at 50 ms a token, started."""
     engine = fake_engines("e1", interval_ms=50)
     publish("demo", [engine])
     communicator, _, _ = await connect("/ws/playground/", await make_user())
@@ -260,15 +261,26 @@ async def test_stop_cancels_the_generation_and_its_upstream_request(
                               "max_tokens": 500,
                               "messages": [{"role": "user", "content": "go on"}]})
     assert (await receive(communicator))["type"] == "started"
+    return engine, communicator
+
+
+async def engine_saw_disconnect(engine: FakeEngine) -> bool:
+    """The engine notices a closed connection at its next token."""
+    for _ in range(50):
+        if await sync_to_async(engine.metric)("fake:client_disconnects_total") == 1:
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def test_stop_cancels_the_generation_and_its_upstream_request(
+        fake_engines: Callable[..., FakeEngine]) -> None:
+    engine, communicator = await long_generation(fake_engines)
     assert (await receive(communicator))["type"] == "token"
     await send(communicator, {"type": "stop", "id": "a"})
     seen = await receive_until(communicator, "stopped")
     assert seen[-1] == {"type": "stopped", "id": "a"}
-    for _ in range(50):  # the engine notices the closed connection at its next token
-        if await sync_to_async(engine.metric)("fake:client_disconnects_total") == 1:
-            break
-        await asyncio.sleep(0.1)
-    assert await sync_to_async(engine.metric)("fake:client_disconnects_total") == 1
+    assert await engine_saw_disconnect(engine)
     # The socket goes on working.
     await send(communicator, {"type": "generate", "id": "a", "deployment": "demo",
                               "max_tokens": 2,
@@ -279,19 +291,9 @@ async def test_stop_cancels_the_generation_and_its_upstream_request(
 
 async def test_closing_the_socket_cancels_what_it_started(
         fake_engines: Callable[..., FakeEngine]) -> None:
-    engine = fake_engines("e1", interval_ms=50)
-    publish("demo", [engine])
-    communicator, _, _ = await connect("/ws/playground/", await make_user())
-    await send(communicator, {"type": "generate", "id": "a", "deployment": "demo",
-                              "max_tokens": 500,
-                              "messages": [{"role": "user", "content": "go on"}]})
-    assert (await receive(communicator))["type"] == "started"
+    engine, communicator = await long_generation(fake_engines)
     await communicator.disconnect()
-    for _ in range(50):
-        if await sync_to_async(engine.metric)("fake:client_disconnects_total") == 1:
-            break
-        await asyncio.sleep(0.1)
-    assert await sync_to_async(engine.metric)("fake:client_disconnects_total") == 1
+    assert await engine_saw_disconnect(engine)
     assert await sync_to_async(engine.metric)("vllm:num_requests_running") == 0
 
 
