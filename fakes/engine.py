@@ -32,12 +32,12 @@ class Histogram:
         self.total = 0
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.total += 1
-        self.sum += value
+    def observe(self, value: float, times: int = 1) -> None:
+        self.total += times
+        self.sum += value * times
         for index, bound in enumerate(self.buckets):
             if value <= bound:
-                self.counts[index] += 1
+                self.counts[index] += times
 
     def lines(self, name: str, labels: str) -> list[str]:
         out = [f'{name}_bucket{{{labels},le="{bound}"}} {count}'
@@ -133,8 +133,14 @@ class FakeEngine:
                 self.running -= 1
 
     async def whole(self, send: Send, tokens: int, chat: bool) -> None:
+        started = time.perf_counter()
         if self.token_interval:
             await asyncio.sleep(self.token_interval * tokens)
+        # Like vLLM, the latency histograms count answers that are not streamed too: the
+        # first token at one interval, the rest one interval apart.
+        self.ttft.observe(self.token_interval or time.perf_counter() - started)
+        if tokens > 1:
+            self.itl.observe(self.token_interval, tokens - 1)
         text = " tok" * tokens
         choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
                                    "finish_reason": "length"} if chat else
