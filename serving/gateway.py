@@ -155,7 +155,9 @@ class Gateway:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.http()  # the load watcher (which also follows the route table) runs
-        request_id = header(scope, b"x-request-id") or uuid.uuid4().hex
+        request_id = header(scope, b"x-request-id") or ""
+        if not request_id or len(request_id) > 200 or not request_id.isprintable():
+            request_id = uuid.uuid4().hex  # absent, or not fit to log and pass on
         base_headers = [(b"x-request-id", request_id.encode())]
         try:
             path, method = scope["path"], scope["method"]

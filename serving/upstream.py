@@ -315,6 +315,8 @@ class Pool:
         if body or method in ("POST", "PUT", "PATCH"):
             lines.append(b"Content-Length: %d\r\n" % len(body))
         for name, value in headers:
+            if "\r" in value or "\n" in value:  # never let a value start a header of its own
+                raise UpstreamError(f"the {name} header holds a line break")
             lines.append(f"{name}: {value}\r\n".encode("latin-1"))
         lines.append(b"\r\n")
         lines.append(body)

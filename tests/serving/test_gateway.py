@@ -80,6 +80,9 @@ def test_the_request_id_is_kept_or_made(gateway_url: str, key: str,
     assert given.headers["x-request-id"] == "abc-123"
     made = httpx.post(f"{gateway_url}/v1/completions", json=body, headers=headers)
     assert len(made.headers["x-request-id"]) == 32
+    too_long = httpx.post(f"{gateway_url}/v1/completions", json=body,
+                          headers={**headers, "X-Request-Id": "x" * 201})
+    assert too_long.status_code == 200 and len(too_long.headers["x-request-id"]) == 32
 
 
 def test_usage_records_are_written_in_batches(gateway_url: str, key: str,

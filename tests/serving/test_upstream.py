@@ -216,3 +216,11 @@ async def test_a_fast_replica_is_read_with_bounded_memory(server: RawServer) -> 
     assert len(await response.read()) == total
     response.release()
     pool.close()
+
+
+async def test_a_header_value_cannot_smuggle_another_header(server: RawServer) -> None:
+    pool = Pool()
+    with pytest.raises(UpstreamError, match="line break"):
+        await pool.request("POST", server.url, "/v1/completions", b"{}",
+                           (("X-Request-Id", "a\r\nX-Evil: 1"),))
+    assert server.requests == []
