@@ -657,10 +657,12 @@ class Collector:
         store = self.store
         per_deployment: dict[str, list[dict[str, Any]]] = {name: [] for name in deployments}
         latest_samples: dict[str, dict[str, Any]] = {}
+        failing: dict[str, int] = {}
         for target, scrape in zip(targets, scrapes, strict=True):
             series = store.series(target)
             if scrape is None:
                 series.failures += 1
+                failing[target.deployment] = failing.get(target.deployment, 0) + 1
                 continue
             series.failures = 0
             sample = series.add(at, scrape, accelerators.get(target.name, {}))
@@ -694,8 +696,7 @@ class Collector:
                 "kv_cache": rounded(mean(s.get("kv_cache") for s in samples)),
                 "ttft_p50": window["ttft_p50"], "ttft_p95": window["ttft_p95"],
                 "error_rate": gate.get("window_error_rate"),
-                "scrape_failures": sum(1 for t in targets if t.deployment == name
-                                       and store.replicas[t.name].failures),
+                "scrape_failures": failing.get(name, 0),
             }
             summaries.append(summary)
             updates[name] = {"type": "update", "deployment": name, "t": round(at, 3),
