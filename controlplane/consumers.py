@@ -278,6 +278,7 @@ class PlaygroundConsumer(GuardedConsumer):
         return pool, body
 
     async def generate(self, ident: str, pool: Any, body: dict[str, Any]) -> None:
+        from serving import metrics
         from serving.gateway import GatewayError, Timing, gateway, prompt_prefix
         from serving.upstream import UpstreamError
 
@@ -296,6 +297,7 @@ class PlaygroundConsumer(GuardedConsumer):
                 user=self.username)
             replica_name = replica.name
             state = gateway.router.state(replica.name)
+            metrics.child(metrics.IN_FLIGHT, model, pool.deployment).inc()
             status = response.status
             await self.send_json({"type": "started", "id": ident, "deployment": pool.deployment,
                                   "replica": replica.name, "request_id": request_id})
@@ -344,6 +346,7 @@ class PlaygroundConsumer(GuardedConsumer):
                 response.release()
             if state is not None:
                 state.in_flight -= 1
+                metrics.child(metrics.IN_FLIGHT, model, pool.deployment).dec()
             if replica_name:  # open_upstream recorded the requests it could not place
                 gateway.record(None, model, pool, replica_name, status, True, usage, timing,
                                request_id, user=self.username)
