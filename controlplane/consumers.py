@@ -57,7 +57,9 @@ class GuardedConsumer(AsyncWebsocketConsumer):
         """Called once the socket is accepted."""
 
     async def handle(self, message: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """A message other than ping; a socket that only listens refuses every one."""
+        await self.error(f"unknown message type {message['type']!r}: this socket only "
+                         f"listens (and answers ping)")
 
     async def send_json(self, message: dict[str, Any]) -> None:
         await self.send(text_data=orjson.dumps(message).decode())
@@ -153,10 +155,6 @@ class DashboardConsumer(GuardedConsumer):
         if group:
             await self.channel_layer.group_discard(group, self.channel_name)
         await super().disconnect(code)
-
-    async def handle(self, message: dict[str, Any]) -> None:
-        await self.error(f"unknown message type {message['type']!r}: a dashboard socket "
-                         f"only listens (and answers ping)")
 
     async def dashboard_message(self, event: dict[str, Any]) -> None:
         await self.send(text_data=event["text"])

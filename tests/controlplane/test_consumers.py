@@ -308,6 +308,17 @@ async def test_no_ready_replica_is_an_error_message(
     await communicator.disconnect()
 
 
+async def test_a_dashboard_socket_only_listens() -> None:
+    communicator, connected, _ = await connect("/ws/dashboard/", await make_user())
+    assert connected
+    await send(communicator, {"type": "generate"})
+    message = await receive(communicator)
+    assert message["type"] == "error" and "only listens" in message["message"]
+    await send(communicator, {"type": "ping"})
+    assert await receive(communicator) == {"type": "pong"}
+    await communicator.disconnect()
+
+
 async def test_a_dashboard_for_an_unknown_deployment_says_so_and_closes() -> None:
     communicator, connected, _ = await connect("/ws/dashboard/nope/", await make_user())
     assert connected
