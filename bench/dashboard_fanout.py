@@ -93,10 +93,7 @@ def main() -> None:
         engines.append(engine)
         product.route("fake", engine_url)
         password = "fanout-bench-password"
-        subprocess.run([sys.executable, "manage.py", "shell", "-c",
-                        "from django.contrib.auth.models import User; "
-                        f"User.objects.create_superuser('fanout', '', '{password}')"],
-                       cwd=ROOT, env=product.env, check=True)
+        product.create_superuser("fanout", password)
         cookie = session_cookie(product.url, "fanout", password)
         process = psutil.Process(product.process.pid)
         stop = False

@@ -170,6 +170,13 @@ class Product:
             time.sleep(0.5)
         raise SystemExit(f"deployment {name} did not become routable")
 
+    def create_superuser(self, username: str, password: str) -> None:
+        """A browser login for the benchmarks that drive pages or sockets."""
+        subprocess.run([sys.executable, "manage.py", "shell", "-c",
+                        "from django.contrib.auth.models import User; "
+                        f"User.objects.create_superuser({username!r}, '', {password!r})"],
+                       cwd=ROOT, env=self.env, check=True, capture_output=True)
+
     def stop(self) -> None:
         stop_server(self.process)
 

@@ -81,10 +81,7 @@ def main() -> None:
             name = "fake"
         product.route(name, url)
         password = "playground-bench-password"
-        subprocess.run([sys.executable, "manage.py", "shell", "-c",
-                        "from django.contrib.auth.models import User; "
-                        f"User.objects.create_superuser('bench', '', '{password}')"],
-                       cwd=ROOT, env=product.env, check=True, capture_output=True)
+        product.create_superuser("bench", password)
         direct: list[float] = []
         browser: list[float] = []
         with sync_playwright() as playwright:

@@ -59,7 +59,7 @@ HISTOGRAMS = {
     "vllm:inter_token_latency_seconds": "itl",
     "vllm:time_per_output_token_seconds": "itl",
 }
-WANTED = tuple(f"{name}" for name in (*GAUGES, *COUNTERS, *HISTOGRAMS))
+WANTED = (*GAUGES, *COUNTERS, *HISTOGRAMS)
 # The sample lines read: gauges, counters' _total, histograms' _bucket (not _sum, _count,
 # _created).
 WANTED_SAMPLES = frozenset((*GAUGES, *(f"{name}_total" for name in COUNTERS),
@@ -72,9 +72,6 @@ DCGM = {
     "DCGM_FI_DEV_GPU_TEMP": "temperature_c",
 }
 
-
-def settings_interval() -> float:
-    return float(settings.SCRAPE_INTERVAL)
 
 
 @dataclass
@@ -483,10 +480,6 @@ class MetricsStore:
                 "gateway": list(self.gateway.get(deployment, ()))}
 
 
-def latest(samples: deque[dict[str, Any]], key: str) -> float | None:
-    return samples[-1].get(key) if samples else None
-
-
 def total(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) if present else None
@@ -501,7 +494,8 @@ class Collector:
     def __init__(self, interval: float | None = None) -> None:
         from serving.upstream import Pool
 
-        self.interval = interval if interval is not None else settings_interval()
+        self.interval = interval if interval is not None else float(
+            settings.SCRAPE_INTERVAL)
         self.timeout = min(float(settings.SCRAPE_TIMEOUT), self.interval)
         self.store = MetricsStore(self.interval)
         self.client = Pool()
@@ -544,13 +538,7 @@ class Collector:
 
     async def fetch(self, url: str, path: str) -> str:
         async with self.concurrency, asyncio.timeout(self.timeout):
-            response = await self.client.request("GET", url, path)
-            try:
-                if response.status != 200:
-                    raise ValueError(f"HTTP {response.status}")
-                return (await response.read()).decode("utf-8", "replace")
-            finally:
-                response.release()
+            return await self.client.get_text(url, path)
 
     async def scrape(self, target: Target) -> str | None:
         """The replica's exposition, reduced; None when the scrape fails. A changed one is

@@ -131,11 +131,7 @@ class Gateway:
         async def one(replica: RouteReplica) -> None:
             try:
                 async with asyncio.timeout(2):
-                    response = await client.request("GET", replica.url, "/metrics")
-                    try:
-                        text = (await response.read()).decode("utf-8", "replace")
-                    finally:
-                        response.release()
+                    text = await client.get_text(replica.url, "/metrics")
             except (UpstreamError, TimeoutError):
                 return
             total = 0.0

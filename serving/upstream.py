@@ -333,6 +333,17 @@ class Pool:
         connection = await self.connect(where)
         return await connection.send(request)
 
+    async def get_text(self, base_url: str, path: str) -> str:
+        """GET a text document (a replica's /metrics) whole; a status other than 200 is an
+        UpstreamError. Callers bound the wait with asyncio.timeout."""
+        response = await self.request("GET", base_url, path)
+        try:
+            if response.status != 200:
+                raise UpstreamError(f"GET {path}: HTTP {response.status}")
+            return (await response.read()).decode("utf-8", "replace")
+        finally:
+            response.release()
+
     def close(self) -> None:
         for idle in list(self.idle.values()):
             for connection in list(idle):
