@@ -73,6 +73,10 @@ class Deployment(models.Model):
             return 0
         return self.replicas
 
+    def desired_standby(self) -> int:
+        """Warm standby replicas wanted: none while scaled to zero, stopped or deleting."""
+        return self.standby if self.desired_replicas() else 0
+
     def served_model_name(self) -> str:
         return str(self.engine_args.get("served_model_name") or self.name)
 

@@ -16,13 +16,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.db.models import F
 from django.utils import timezone
 
-from controlplane.backends.base import BackendError, Observation, ReplicaBackend, backend_for
+from controlplane.backends.base import (
+    AnyBackend,
+    BackendError,
+    Member,
+    Observation,
+    PodSetBackend,
+    ReplicaBackend,
+    backend_for,
+)
 from controlplane.models import Deployment, Replica
 from controlplane.services import audit
 
@@ -64,6 +72,10 @@ class Reconciler:
         self.known: set[int] = set()
         self.observations: dict[int, Observation] = {}
         self.probed: set[int] = set()
+        # Pod-set backends: why a backend could not be read this pass (by Backend id), and
+        # per deployment the failed applies (count, monotonic time of the next try, why).
+        self.unreadable: dict[int, str] = {}
+        self.apply_failures: dict[int, tuple[int, float, str]] = {}
 
     # --- the pass --------------------------------------------------------------------
 
@@ -74,6 +86,7 @@ class Reconciler:
                            .prefetch_related("replica_set"))
         if not self.orphans_checked:
             self.cleanup_orphans(deployments)
+        self.refresh_pod_sets(deployments)
         self.observations = self.observe_all(deployments)
         for deployment in deployments:
             result.deployments += 1
@@ -92,6 +105,8 @@ class Reconciler:
         due: list[tuple[Deployment, Replica, bool]] = []
         now = time.monotonic()
         for deployment in deployments:
+            if backend_for(deployment.backend).owns_pods:
+                continue  # its members are read by refresh_pod_sets
             for replica in deployment.replica_set.all():
                 if replica.phase not in OBSERVED_PHASES:
                     continue
@@ -102,17 +117,32 @@ class Reconciler:
         observations: dict[int, Observation] = {}
         for deployment, replica, probe in due:
             if not probe:
-                observations[replica.pk] = backend_for(deployment.backend).observe(
+                observations[replica.pk] = replica_backend(deployment).observe(
                     deployment, replica, probe_health=False)
         if probed:
             with ThreadPoolExecutor(max_workers=min(32, len(probed))) as pool:
-                results = pool.map(lambda item: backend_for(item[0].backend).observe(
+                results = pool.map(lambda item: replica_backend(item[0]).observe(
                     item[0], item[1], probe_health=True), probed)
                 for (_, replica, _), observation in zip(probed, results, strict=True):
                     observations[replica.pk] = observation
                     self.last_probe[replica.pk] = time.monotonic()
         self.probed = {replica.pk for _, replica, _ in probed}
         return observations
+
+    def refresh_pod_sets(self, deployments: list[Deployment]) -> None:
+        """Once per pass, each pod-set backend reads the platform (a failure is kept, and
+        its deployments conclude nothing from it this pass)."""
+        self.unreadable = {}
+        seen: set[int] = set()
+        for deployment in deployments:
+            backend = backend_for(deployment.backend)
+            if not backend.owns_pods or deployment.backend_id in seen:
+                continue
+            seen.add(deployment.backend_id)
+            try:
+                cast(PodSetBackend, backend).refresh()
+            except BackendError as exc:
+                self.unreadable[deployment.backend_id] = str(exc)
 
     def cleanup_orphans(self, deployments: list[Deployment]) -> None:
         """Once per controller start: stop servers no replica record knows."""
@@ -122,8 +152,11 @@ class Reconciler:
             if deployment.backend_id in seen:
                 continue
             seen.add(deployment.backend_id)
+            backend = backend_for(deployment.backend)
+            if backend.owns_pods:
+                continue  # everything it makes is removed with its deployment
             try:
-                stopped = backend_for(deployment.backend).cleanup_orphans(known)
+                stopped = cast(ReplicaBackend, backend).cleanup_orphans(known)
             except BackendError:
                 continue
             for name in stopped:
@@ -132,8 +165,11 @@ class Reconciler:
         self.orphans_checked = True
 
     def reconcile_deployment(self, deployment: Deployment) -> bool:
-        backend = backend_for(deployment.backend)
+        chosen: AnyBackend = backend_for(deployment.backend)
         replicas = list(deployment.replica_set.all())
+        if chosen.owns_pods:
+            return self.reconcile_pod_set(deployment, cast(PodSetBackend, chosen), replicas)
+        backend = cast(ReplicaBackend, chosen)
         changed = False
         for replica in replicas:
             changed |= self.step_replica(deployment, backend, replica)
@@ -286,6 +322,202 @@ class Reconciler:
             backend.stop(replica, force=True)
         return False
 
+    # --- pod-set backends (Kubernetes) -----------------------------------------------
+
+    def reconcile_pod_set(self, deployment: Deployment, backend: PodSetBackend,
+                          replicas: list[Replica]) -> bool:
+        """The platform keeps the pods running; this pass maps them to replica records,
+        decides which take traffic and which go first, and applies spec and count."""
+        unreadable = self.unreadable.get(deployment.backend_id)
+        if unreadable is not None:  # conclude nothing from a platform that cannot be read
+            return self.write_status(deployment, replicas, [unreadable])
+        members = {m.name: m for m in backend.members(deployment)}
+        changed = self.sync_members(deployment, backend, replicas, members)
+        if changed:
+            replicas = list(Replica.objects.filter(deployment=deployment))
+        problems: list[str] = []
+        if deployment.deleting:
+            try:
+                gone = backend.remove(deployment)
+            except BackendError as exc:
+                gone = False
+                problems.append(str(exc))
+            if gone and not replicas:
+                event(None, "deleted", f"deployment {deployment.name} deleted")
+                deployment.delete()
+                return True
+            return self.write_status(deployment, replicas, problems) or changed
+        if backend.scales_itself():
+            changed |= self.promote(deployment, backend, replicas, members, everyone=True)
+        else:
+            changed |= self.mark_victims(deployment, backend, replicas, members)
+            changed |= self.promote(deployment, backend, replicas, members)
+        changed |= self.apply_spec(deployment, backend, problems)
+        problems += [f"{r.name}: {r.last_error}" for r in replicas
+                     if r.phase != Replica.Phase.FAILED and r.last_error]
+        return self.write_status(deployment, replicas, problems) or changed
+
+    def sync_members(self, deployment: Deployment, backend: PodSetBackend,
+                     replicas: list[Replica], members: dict[str, Member]) -> bool:
+        """One replica record per member: created when a pod appears, removed when it is
+        gone, its phase, role and messages following the pod. A pod that turns ready is
+        warmed up before it is called ready."""
+        changed = False
+        rows = {r.pod_name or r.name: r for r in replicas}
+        for name, member in members.items():
+            row = rows.get(name)
+            if row is None:
+                row = Replica.objects.create(
+                    deployment=deployment, name=name, pod_name=name, role=member.role,
+                    generation=member.generation or deployment.generation,
+                    started_at=timezone.now())
+                event(deployment, "replica-created", f"pod {name} created"
+                      + (f" on {member.node}" if member.node else ""), replica=row)
+                changed = True
+            changed |= self.follow_member(deployment, backend, row, member)
+        for name, row in rows.items():
+            if name not in members:
+                row.delete()
+                self.known.discard(row.pk)
+                event(deployment, "replica-stopped", f"pod {name} is gone", replica=row)
+                changed = True
+        return changed
+
+    def follow_member(self, deployment: Deployment, backend: PodSetBackend, row: Replica,
+                      member: Member) -> bool:
+        where = ", ".join(part for part in (member.devices, member.node) if part)
+        fields: dict[str, Any] = {
+            "endpoint": member.endpoint, "devices": where[:100], "role": member.role,
+            "generation": member.generation or row.generation,
+            "restart_count": member.restarts}
+        phase = member.phase
+        if member.deleting:
+            phase = Replica.Phase.DRAINING
+        elif phase == Replica.Phase.READY and row.phase != Replica.Phase.READY:
+            try:
+                backend.warm_up(deployment, row)
+            except BackendError as exc:
+                phase, fields["last_error"] = Replica.Phase.WARMING, str(exc)
+            else:
+                fields["ready_at"] = fields["last_health_at"] = timezone.now()
+        if phase != Replica.Phase.WARMING:
+            fields["last_error"] = member.message
+        fields["phase"] = phase
+        changed = {name: value for name, value in fields.items()
+                   if getattr(row, name) != value}
+        if not changed:
+            return False
+        self.save(row, **changed)
+        if "phase" in changed:
+            if phase == Replica.Phase.READY:
+                took = row.time_to_ready()
+                event(deployment, "replica-ready", f"{row.name} is ready" + (
+                    f" ({took.total_seconds():.1f} s after it appeared)" if took else ""),
+                    replica=row)
+            elif phase == Replica.Phase.FAILED:
+                tail = backend.logs(row, LOG_LINES_IN_ERRORS)
+                event(deployment, "replica-crashed", f"{row.name}: {member.message}" + (
+                    "; last log lines:\n" + "\n".join(tail) if tail else ""), replica=row)
+            elif phase == Replica.Phase.DRAINING:
+                event(deployment, "replica-draining", f"{row.name} is being removed",
+                      replica=row)
+        elif "last_error" in changed and row.last_error:
+            event(deployment, "replica-waiting", f"{row.name}: {row.last_error}",
+                  replica=row)
+        return True
+
+    def mark_victims(self, deployment: Deployment, backend: PodSetBackend,
+                     replicas: list[Replica], members: dict[str, Member]) -> bool:
+        """Before the count is lowered, choose who goes: standby members first (those not
+        ready before ready ones), then the least loaded active ones."""
+        wanted = deployment.desired_replicas() + deployment.desired_standby()
+        candidates = [r for r in replicas if r.generation == deployment.generation
+                      and r.pod_name in members and not members[r.pod_name].deleting]
+        excess = len(candidates) - wanted
+        if excess <= 0:
+            return False
+
+        def order(replica: Replica) -> tuple[int, int, int]:
+            standby = replica.role == Replica.Role.STANDBY
+            ready = replica.phase == Replica.Phase.READY
+            load = backend.in_flight(replica) if ready and not standby else 0
+            return (0 if standby else 1, 1 if ready else 0, load if load is not None else 0)
+
+        changed = False
+        for victim in sorted(candidates, key=order)[:excess]:
+            if members[victim.pod_name].removal_marked:
+                continue
+            try:
+                backend.mark_for_removal(victim)
+            except BackendError as exc:
+                logger.warning("marking %s for removal failed: %s", victim.name, exc)
+                continue
+            event(deployment, "replica-chosen", f"{victim.name} goes first at the scale-down",
+                  replica=victim)
+            changed = True
+        return changed
+
+    def promote(self, deployment: Deployment, backend: PodSetBackend,
+                replicas: list[Replica], members: dict[str, Member], *,
+                everyone: bool = False) -> bool:
+        """Ready, warmed members of the current generation take traffic up to the desired
+        active count (a label change, no restart); the rest stay warm standby. Members
+        chosen to go do not count."""
+        staying = [r for r in replicas if r.phase == Replica.Phase.READY
+                   and r.generation == deployment.generation and r.pod_name in members
+                   and not members[r.pod_name].removal_marked]
+        active = [r for r in staying if r.role == Replica.Role.ACTIVE]
+        standby = [r for r in staying if r.role == Replica.Role.STANDBY]
+        wanted = len(staying) if everyone else deployment.desired_replicas()
+        moves: list[tuple[Replica, str]] = []
+        if len(active) < wanted:
+            moves = [(r, Replica.Role.ACTIVE) for r in standby[:wanted - len(active)]]
+        elif len(active) > wanted:
+            loads = {r.pk: backend.in_flight(r) or 0 for r in active}
+            extra = sorted(active, key=lambda r: loads[r.pk])[:len(active) - wanted]
+            moves = [(r, Replica.Role.STANDBY) for r in extra]
+        changed = False
+        for replica, role in moves:
+            try:
+                backend.set_role(deployment, replica, role)
+            except BackendError as exc:
+                logger.warning("relabelling %s failed: %s", replica.name, exc)
+                continue
+            self.save(replica, role=role)
+            event(deployment, "replica-promoted" if role == Replica.Role.ACTIVE else
+                  "replica-standby", f"{replica.name} " + (
+                      "promoted: takes traffic" if role == Replica.Role.ACTIVE else
+                      "moved to the warm standby pool: takes no new traffic"),
+                  replica=replica)
+            changed = True
+        return changed
+
+    def apply_spec(self, deployment: Deployment, backend: PodSetBackend,
+                   problems: list[str]) -> bool:
+        """Apply spec and count; after a failure, again only once its backoff has passed."""
+        failure = self.apply_failures.get(deployment.pk)
+        if failure and time.monotonic() < failure[1]:
+            problems.append(failure[2])
+            return False
+        try:
+            wrote = backend.apply(deployment)
+        except BackendError as exc:
+            count = failure[0] + 1 if failure else 1
+            delay = restart_backoff(count).total_seconds()
+            self.apply_failures[deployment.pk] = (count, time.monotonic() + delay, str(exc))
+            problems.append(str(exc))
+            if not failure or failure[2] != str(exc):
+                event(deployment, "apply-failed", f"{exc}\nnext try in {delay:.0f} s")
+            return False
+        if failure:
+            self.apply_failures.pop(deployment.pk, None)
+            event(deployment, "applied", "the platform accepted the deployment again")
+        if wrote:
+            event(deployment, "applied", f"applied generation {deployment.generation}: "
+                  f"{deployment.desired_replicas()} active, {deployment.desired_standby()} "
+                  f"standby")
+        return wrote
+
     # --- counts ----------------------------------------------------------------------
 
     def scale(self, deployment: Deployment, live: list[Replica]) -> bool:
@@ -362,10 +594,13 @@ class Reconciler:
 
     # --- status ----------------------------------------------------------------------
 
-    def write_status(self, deployment: Deployment, replicas: list[Replica]) -> bool:
+    def write_status(self, deployment: Deployment, replicas: list[Replica],
+                     problems: list[str] | None = None) -> bool:
         wanted = deployment.desired_replicas()
-        ready = [r for r in replicas if r.phase == Replica.Phase.READY]
+        ready = [r for r in replicas
+                 if r.phase == Replica.Phase.READY and r.role == Replica.Role.ACTIVE]
         failed = [r for r in replicas if r.phase == Replica.Phase.FAILED]
+        problems = [*(problems or []), *(f"{r.name}: {r.last_error}" for r in failed)]
         outdated = [r for r in replicas if r.generation != deployment.generation]
         pending = [r for r in replicas if r.phase != Replica.Phase.READY]
         conditions = [
@@ -376,8 +611,8 @@ class Reconciler:
             condition("Progressing", bool(outdated or pending),
                       f"{len(outdated)} outdated, {len(pending)} not ready"
                       if outdated or pending else "all replicas are up to date"),
-            condition("Degraded", bool(failed),
-                      failed[0].last_error[-2000:] if failed else "no failed replicas"),
+            condition("Degraded", bool(problems),
+                      "\n".join(problems)[-2000:] if problems else "no failed replicas"),
         ]
         previous = {c["type"]: c for c in deployment.conditions}
         merged = []
@@ -402,6 +637,10 @@ class Reconciler:
             setattr(replica, name, value)
         replica.save(update_fields=list(fields))
         return True
+
+
+def replica_backend(deployment: Deployment) -> ReplicaBackend:
+    return cast(ReplicaBackend, backend_for(deployment.backend))
 
 
 def victim_order(replica: Replica) -> tuple[int, float]:

@@ -28,12 +28,13 @@ class FakeEngine:
         return float(line.rsplit(" ", 1)[-1])
 
 
-def start_fake_engine(name: str, model: str = "fake", interval_ms: float = 5) -> FakeEngine:
-    port = free_port()
+def start_fake_engine(name: str, model: str = "fake", interval_ms: float = 5,
+                      host: str = "127.0.0.1", port: int = 0) -> FakeEngine:
+    port = port or free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "fakes.engine", "--port", str(port), "--model", model,
-         "--token-interval-ms", str(interval_ms)], cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+        [sys.executable, "-m", "fakes.engine", "--host", host, "--port", str(port),
+         "--model", model, "--token-interval-ms", str(interval_ms)], cwd=ROOT)
+    url = f"http://{host}:{port}"
     try:
         wait_healthy(url, 30, process)
     except RuntimeError:

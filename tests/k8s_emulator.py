@@ -79,3 +79,143 @@ class EmulatedCluster:
 
         result: dict[str, Any] | None = self.call(read)
         return result
+
+
+class ClusterPlayer:
+    """Plays, through the API like the real components, what a cluster runs and the
+    stand-in lacks: the Deployment/ReplicaSet controller (pods to match `spec.replicas`,
+    the lowest pod-deletion cost removed first; pods of a removed Deployment collected),
+    and the scheduler and kubelets (pod status: scheduled, ready, crashing, OOM-killed,
+    unschedulable). Pods are named <deployment>-<serial>."""
+
+    def __init__(self, url: str, namespace: str = "inference") -> None:
+        from kubernetes import client
+
+        self.client = client
+        self.api = client.ApiClient(client.Configuration(host=url))
+        self.apps = client.AppsV1Api(self.api)
+        self.core = client.CoreV1Api(self.api)
+        self.namespace = namespace
+        self.serial = 0
+
+    def pods(self, deployment: str = "") -> list[dict[str, Any]]:
+        items = self.core.list_namespaced_pod(self.namespace).items or []
+        pods = [self.api.sanitize_for_serialization(item) for item in items]
+        return [p for p in pods if not deployment or (p["metadata"].get("labels") or {}).get(
+            "app.kubernetes.io/instance") == deployment]
+
+    def pod(self, name: str) -> dict[str, Any]:
+        return next(p for p in self.pods() if p["metadata"]["name"] == name)
+
+    def names(self, deployment: str = "") -> list[str]:
+        return sorted(p["metadata"]["name"] for p in self.pods(deployment)
+                      if not p["metadata"].get("deletionTimestamp"))
+
+    def sync(self) -> list[str]:
+        """One pass of the ReplicaSet controller and the garbage collector; returns the
+        pods it created."""
+        deployments = {str(self.api.sanitize_for_serialization(d)["metadata"]["name"]): d
+                       for d in self.apps.list_namespaced_deployment(self.namespace).items
+                       or []}
+        created = []
+        by_owner: dict[str, list[dict[str, Any]]] = {}
+        for pod in self.pods():
+            owner = (pod["metadata"].get("labels") or {}).get("app.kubernetes.io/instance", "")
+            by_owner.setdefault(owner, []).append(pod)
+        for name, deployment in deployments.items():
+            live = [p for p in by_owner.get(name, [])
+                    if not p["metadata"].get("deletionTimestamp")]
+            spec = self.api.sanitize_for_serialization(deployment)["spec"]
+            wanted, template = int(spec.get("replicas") or 0), spec["template"]
+            for _ in range(wanted - len(live)):
+                self.serial += 1
+                pod_name = f"{name}-{self.serial}"
+                body = self.client.V1Pod.from_dict({
+                    "metadata": {"name": pod_name, "namespace": self.namespace,
+                                 **template["metadata"]},
+                    "spec": template["spec"]})
+                assert body is not None
+                self.core.create_namespaced_pod(self.namespace, body)
+                created.append(pod_name)
+
+            def cost(pod: dict[str, Any]) -> int:
+                notes = pod["metadata"].get("annotations") or {}
+                return int(notes.get("controller.kubernetes.io/pod-deletion-cost", "0"))
+
+            for victim in sorted(live, key=cost)[:max(0, len(live) - wanted)]:
+                self.terminate(victim["metadata"]["name"])
+        for owner, pods in by_owner.items():
+            if owner not in deployments:
+                for pod in pods:
+                    self.delete(pod["metadata"]["name"])
+        return created
+
+    def terminate(self, name: str) -> None:
+        """Graceful deletion begins (the pod runs its preStop hook)."""
+        self.core.patch_namespaced_pod(name, self.namespace, {"metadata": {
+            "deletionTimestamp": "2026-01-01T00:00:00Z"}},
+            _content_type="application/merge-patch+json")
+
+    def delete(self, name: str) -> None:
+        self.core.delete_namespaced_pod(name, self.namespace)
+
+    def finish_terminating(self) -> None:
+        for pod in self.pods():
+            if pod["metadata"].get("deletionTimestamp"):
+                self.delete(pod["metadata"]["name"])
+
+    def _status(self, name: str, status: dict[str, Any], node: str = "gpu-node-1") -> None:
+        self.core.patch_namespaced_pod(name, self.namespace, {"spec": {"nodeName": node}},
+                                       _content_type="application/merge-patch+json")
+        self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status},
+                                              _content_type="application/merge-patch+json")
+
+    def ready(self, name: str, ip: str = "10.1.0.1", restarts: int = 0) -> None:
+        self._status(name, {
+            "phase": "Running", "podIP": ip,
+            "conditions": [{"type": "PodScheduled", "status": "True"},
+                           {"type": "Ready", "status": "True"}],
+            "containerStatuses": [{"name": "vllm", "ready": True, "started": True,
+                                   "restartCount": restarts, "image": "vllm", "imageID": "",
+                                   "state": {"running": {}}}]})
+
+    def loading(self, name: str, ip: str = "10.1.0.1") -> None:
+        self._status(name, {
+            "phase": "Running", "podIP": ip,
+            "conditions": [{"type": "PodScheduled", "status": "True"},
+                           {"type": "Ready", "status": "False"}],
+            "containerStatuses": [{"name": "vllm", "ready": False, "started": True,
+                                   "restartCount": 0, "image": "vllm", "imageID": "",
+                                   "state": {"running": {}}}]})
+
+    def unschedulable(self, name: str, message: str) -> None:
+        self.core.patch_namespaced_pod_status(name, self.namespace, {"status": {
+            "phase": "Pending", "conditions": [{
+                "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                "message": message}]}}, _content_type="application/merge-patch+json")
+
+    def waiting(self, name: str, reason: str, message: str = "", last: str = "") -> None:
+        """The container cannot run: ImagePullBackOff, CrashLoopBackOff (after `last`,
+        e.g. OOMKilled)."""
+        container: dict[str, Any] = {
+            "name": "vllm", "ready": False, "restartCount": 3 if last else 0,
+            "image": "vllm", "imageID": "",
+            "state": {"waiting": {"reason": reason, "message": message}}}
+        if last:
+            container["lastState"] = {"terminated": {"reason": last, "exitCode": 137}}
+        self._status(name, {"phase": "Pending" if not last else "Running",
+                            "conditions": [{"type": "PodScheduled", "status": "True"}],
+                            "containerStatuses": [container]})
+
+
+def write_kubeconfig(path: Any, url: str, namespace: str = "inference") -> str:
+    """A kubeconfig whose only cluster is the stand-in API server."""
+    import yaml
+
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulated",
+        "clusters": [{"name": "emulated", "cluster": {"server": url}}],
+        "users": [{"name": "tester", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "emulated", "context": {
+            "cluster": "emulated", "user": "tester", "namespace": namespace}}]}))
+    return str(path)

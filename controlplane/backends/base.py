@@ -37,8 +37,12 @@ class Observation:
 
 
 class ReplicaBackend(Protocol):
+    """Backends that start and stop each replica themselves (local, external)."""
+
     #: False for backends that only observe endpoints something else runs.
     creates_replicas: bool
+    #: False here; True for a PodSetBackend.
+    owns_pods: bool
 
     def start(self, deployment: Deployment, replica: Replica) -> None:
         """Launch the replica; fill in its pid/pod, port, endpoint and log path."""
@@ -67,6 +71,66 @@ class ReplicaBackend(Protocol):
         """Stop servers this backend started that no replica record knows; their names."""
 
 
+@dataclass(frozen=True)
+class Member:
+    """One server of a set a PodSetBackend keeps (a pod), as the backend sees it."""
+
+    name: str
+    phase: str  # a Replica.Phase value
+    endpoint: str
+    node: str
+    devices: str
+    role: str  # Replica.Role value
+    generation: int  # the deployment generation it runs
+    restarts: int
+    message: str  # why it is not serving, in words a person can act on; "" when fine
+    deleting: bool
+    removal_marked: bool  # chosen to go first at the next scale-down
+
+
+class PodSetBackend(Protocol):
+    """Backends whose platform keeps the servers running (Kubernetes): the control plane
+    asks for a count and a spec, then maps what it observes to replica records. The
+    reconciler still owns the decisions: which members take traffic (role), which go first
+    on a scale-down, when a deployment's objects are removed."""
+
+    creates_replicas: bool
+    owns_pods: bool  # True
+
+    def refresh(self) -> None:
+        """Once per reconcile pass: read what is applied and the members; raises
+        BackendError when the platform cannot be read (nothing is then concluded)."""
+
+    def members(self, deployment: Deployment) -> list[Member]:
+        """The deployment's servers as of the last refresh."""
+
+    def apply(self, deployment: Deployment) -> bool:
+        """Make the platform hold the deployment's spec and count (desired active plus
+        standby); True when it had to write. Raises BackendError with the platform's
+        message."""
+
+    def scales_itself(self) -> bool:
+        """True when the platform sets the count (a native autoscaler)."""
+
+    def set_role(self, deployment: Deployment, replica: Replica, role: str) -> None:
+        """Label a member active (takes traffic) or standby; no restart."""
+
+    def mark_for_removal(self, replica: Replica) -> None:
+        """Make this member among the first to go when the count is next lowered."""
+
+    def remove(self, deployment: Deployment) -> bool:
+        """Delete everything made for the deployment; True once nothing is left."""
+
+    def warm_up(self, deployment: Deployment, replica: Replica) -> None:
+        """Send one real request before the member takes traffic; raises on failure."""
+
+    def in_flight(self, replica: Replica) -> int | None:
+        """Requests the member is serving or queueing, or None when unknown."""
+
+    def logs(self, replica: Replica, lines: int) -> list[str]:
+        """The last lines of the member's log."""
+
+
 def validate_backend_config(kind: str, config: dict[str, object]) -> dict[str, object]:
     """Check a backend's configuration; returns it normalised or raises BackendConfigError."""
     if kind == "local":
@@ -78,14 +142,17 @@ def validate_backend_config(kind: str, config: dict[str, object]) -> dict[str, o
 
         return ExternalConfig.from_dict(config).as_dict()
     if kind == "kubernetes":
-        raise BackendConfigError("kind", "the kubernetes backend is not available yet")
+        from controlplane.backends.k8s_manifests import KubernetesConfig
+
+        return KubernetesConfig.from_dict(config).as_dict()
     raise BackendConfigError("kind", f"unknown backend kind {kind!r}")
 
 
-_instances: dict[tuple[int, str], ReplicaBackend] = {}
+AnyBackend = ReplicaBackend | PodSetBackend
+_instances: dict[tuple[int, str], AnyBackend] = {}
 
 
-def backend_for(record: Backend) -> ReplicaBackend:
+def backend_for(record: Backend) -> AnyBackend:
     """The backend object for a Backend record, kept for the life of the process (the local
     backend holds its child processes)."""
     import json
@@ -101,7 +168,21 @@ def backend_for(record: Backend) -> ReplicaBackend:
             from controlplane.backends.external import ExternalBackend, ExternalConfig
 
             backend = ExternalBackend(ExternalConfig.from_dict(record.config))
+        elif record.kind == "kubernetes":
+            from controlplane.backends.k8s_manifests import KubernetesConfig
+            from controlplane.backends.kubernetes import KubernetesBackend
+
+            backend = KubernetesBackend(KubernetesConfig.from_dict(record.config))
         else:
             raise BackendError(f"backend kind {record.kind!r} is not available")
         _instances[key] = backend
     return backend
+
+
+def close_backends() -> None:
+    """Let go of every backend object (their pools, watches); the next use makes new ones."""
+    for backend in _instances.values():
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+    _instances.clear()

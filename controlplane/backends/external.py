@@ -44,6 +44,7 @@ class ExternalConfig:
 
 class ExternalBackend:
     creates_replicas = False
+    owns_pods = False
 
     def __init__(self, config: ExternalConfig) -> None:
         self.config = config

@@ -11,17 +11,18 @@ deployment's conditions.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane.backends.base import BackendError
 from controlplane.backends.k8s_manifests import FIELD_MANAGER, KubernetesConfig
+from controlplane.backends.k8s_pods import DELETION_COST
 
-DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 REQUEST_TIMEOUT = 30.0
 
 
-class ClusterError(Exception):
+class ClusterError(BackendError):
     """A call to the API server failed; `status` is its HTTP status (0: unreachable)."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -43,7 +44,8 @@ def _error(exc: Exception, doing: str) -> ClusterError:
         except (TypeError, ValueError):
             pass
         return ClusterError(int(exc.status or 0), f"{doing}: {message}")
-    return ClusterError(0, f"{doing}: the API server cannot be reached ({exc})")
+    cause = str(getattr(exc, "reason", None) or exc)  # urllib3 wraps the socket's error
+    return ClusterError(0, f"{doing}: the API server cannot be reached ({cause[:300]})")
 
 
 @dataclass
@@ -103,65 +105,164 @@ class Cluster:
 
         api = getattr(k8s, kind.api)(self.client)
         function: Callable[..., Any] = getattr(api, method)
+        kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
         try:
-            return function(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+            return function(*args, **kwargs)
         except Exception as exc:
             raise _error(exc, doing) from None
 
     def apply(self, obj: dict[str, Any]) -> None:
         """Server-side apply: create or update, the fields this manager sets."""
+        name = obj["metadata"]["name"]
+        if (obj["apiVersion"], obj["kind"]) == ("keda.sh/v1alpha1", "ScaledObject"):
+            self._custom("patch_namespaced_custom_object", f"applying ScaledObject {name}",
+                         name, obj, field_manager=FIELD_MANAGER, force=True,
+                         _content_type="application/apply-patch+yaml")
+            return
         kind = KINDS.get((obj["apiVersion"], obj["kind"]))
         if kind is None:
             raise ClusterError(0, f"cannot apply a {obj['apiVersion']} {obj['kind']}")
-        name = obj["metadata"]["name"]
         self._call(kind, kind.patch, f"applying {obj['kind']} {name}", name,
                    self.config.namespace, obj, field_manager=FIELD_MANAGER, force=True,
                    _content_type="application/apply-patch+yaml")
 
-    def owned(self, labels: dict[str, str]) -> list[tuple[Kind, str]]:
-        """Every object of the kinds this backend makes that carries all these labels."""
-        selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
-        found = []
-        for (_, kind_name), kind in KINDS.items():
+    def _listed(self, kind: Kind, kind_name: str, labels: dict[str, str]
+                ) -> list[dict[str, Any]]:
+        """The metadata of every object of one kind that carries all these labels (checked
+        here too: the stand-in API server ignores selectors, and nothing without every
+        owner label may ever be touched)."""
+        if kind_name == "ScaledObject":
+            answer = self._custom("list_namespaced_custom_object", "listing ScaledObjects",
+                                  label_selector=selector(labels))
+            items = [item.get("metadata") or {} for item in answer.get("items") or []]
+        else:
             answer = self._call(kind, kind.read_list, f"listing {kind_name}s",
-                                self.config.namespace, label_selector=selector)
-            for item in answer.items or []:
-                item_labels = item.metadata.labels or {}
-                # Checked here too: nothing without every owner label is ever deleted.
-                if all(item_labels.get(key) == value for key, value in labels.items()):
-                    found.append((kind, item.metadata.name))
-        return found
+                                self.config.namespace, label_selector=selector(labels))
+            items = [{"name": item.metadata.name, "labels": item.metadata.labels,
+                      "annotations": item.metadata.annotations} for item in answer.items or []]
+        return [item for item in items if all(
+            (item.get("labels") or {}).get(key) == value for key, value in labels.items())]
+
+    def kinds(self) -> list[tuple[str, Kind]]:
+        """The kinds this backend makes; KEDA's only where the configuration uses it (its
+        API exists only where KEDA is installed)."""
+        kinds = [(name, kind) for (_, name), kind in KINDS.items()]
+        if self.config.scaling == "keda":
+            kinds.append(("ScaledObject", KEDA))
+        return kinds
+
+    def managed(self, labels: dict[str, str]) -> list[tuple[str, str, dict[str, str],
+                                                             dict[str, str]]]:
+        """(kind, name, labels, annotations) of every object carrying these labels."""
+        return [(kind_name, str(item.get("name")), dict(item.get("labels") or {}),
+                 dict(item.get("annotations") or {}))
+                for kind_name, kind in self.kinds()
+                for item in self._listed(kind, kind_name, labels)]
+
+    def delete(self, kind_name: str, name: str) -> None:
+        """Remove one object this backend made (gone already is fine)."""
+        kind = dict(self.kinds()).get(kind_name)
+        if kind is None:
+            return
+        try:
+            if kind is KEDA:
+                self._custom("delete_namespaced_custom_object",
+                             f"deleting ScaledObject {name}", name)
+            else:
+                self._call(kind, kind.delete, f"deleting {kind_name} {name}", name,
+                           self.config.namespace, propagation_policy="Foreground")
+        except ClusterError as exc:
+            if exc.status != 404:
+                raise
 
     def delete_owned(self, labels: dict[str, str]) -> int:
         """Remove everything made for a deployment; returns how many objects went."""
         removed = 0
-        for kind, name in self.owned(labels):
-            try:
-                self._call(kind, kind.delete, f"deleting {kind.read_list[15:]} {name}", name,
-                           self.config.namespace, propagation_policy="Foreground")
-                removed += 1
-            except ClusterError as exc:
-                if exc.status != 404:  # gone already: what was wanted
-                    raise
+        for kind_name, name, _, _ in self.managed(labels):
+            self.delete(kind_name, name)
+            removed += 1
         return removed
 
-    def pods(self, labels: dict[str, str]) -> list[dict[str, Any]]:
-        """The deployment's pods, as plain dicts (the API's own field names)."""
+    def _custom(self, method: str, doing: str, *args: Any, **kwargs: Any) -> Any:
+        return self._call(KEDA, method, doing, "keda.sh", "v1alpha1", self.config.namespace,
+                          "scaledobjects", *args, **kwargs)
+
+    def list_pods(self, labels: dict[str, str]) -> tuple[list[dict[str, Any]], str]:
+        """Pods carrying these labels, as plain dicts (the API's own field names), and the
+        list's resourceVersion to watch from."""
         from kubernetes import client as k8s
 
-        selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
-        core = Kind("CoreV1Api", "", "list_namespaced_pod", "")
-        answer = self._call(core, core.read_list, "listing pods", self.config.namespace,
-                            label_selector=selector)
+        answer = self._call(CORE, "list_namespaced_pod", "listing pods",
+                            self.config.namespace, label_selector=selector(labels))
         serialise = k8s.ApiClient().sanitize_for_serialization
         pods = [serialise(item) for item in answer.items or []]
+        version = str((answer.metadata and answer.metadata.resource_version) or "")
         return [pod for pod in pods if all(
             (pod.get("metadata", {}).get("labels") or {}).get(key) == value
-            for key, value in labels.items())]
+            for key, value in labels.items())], version
+
+    def pods(self, labels: dict[str, str]) -> list[dict[str, Any]]:
+        return self.list_pods(labels)[0]
+
+    def watch_pods(self, labels: dict[str, str], resource_version: str,
+                   timeout_seconds: int) -> Watch:
+        """Open a watch of pods from resource_version on; returns once the server has
+        answered. Its events (type and object as plain dicts) end when the server ends
+        the watch; ERROR events are passed on (410: re-list)."""
+        response = self._call(CORE, "list_namespaced_pod", "watching pods",
+                              self.config.namespace, label_selector=selector(labels),
+                              watch=True, resource_version=resource_version or None,
+                              allow_watch_bookmarks=True, timeout_seconds=timeout_seconds,
+                              _preload_content=False,
+                              _request_timeout=(REQUEST_TIMEOUT, timeout_seconds + 30))
+        return Watch(response)
 
     def set_deletion_cost(self, pod: str, cost: int) -> None:
         """Lower costs go first when the ReplicaSet scales down."""
-        core = Kind("CoreV1Api", "patch_namespaced_pod", "", "")
-        self._call(core, core.patch, f"marking pod {pod}", pod, self.config.namespace,
-                   {"metadata": {"annotations": {DELETION_COST: str(cost)}}},
+        self._patch_pod(pod, {"metadata": {"annotations": {DELETION_COST: str(cost)}}},
+                        f"marking pod {pod}")
+
+    def set_labels(self, pod: str, labels: dict[str, str]) -> None:
+        self._patch_pod(pod, {"metadata": {"labels": labels}}, f"labelling pod {pod}")
+
+    def _patch_pod(self, pod: str, body: dict[str, Any], doing: str) -> None:
+        self._call(CORE, "patch_namespaced_pod", doing, pod, self.config.namespace, body,
                    _content_type="application/merge-patch+json")
+
+    def pod_log(self, pod: str, lines: int) -> list[str]:
+        text = self._call(CORE, "read_namespaced_pod_log", f"reading the log of {pod}", pod,
+                          self.config.namespace, container="vllm", tail_lines=lines)
+        return str(text or "").splitlines()[-lines:]
+
+
+class Watch:
+    """An open watch: iterate for its events; close() ends it from any thread."""
+
+    def __init__(self, response: Any) -> None:
+        self.response = response
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from kubernetes.watch.watch import iter_resp_lines
+
+        try:
+            for line in iter_resp_lines(self.response):
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(event, dict) and isinstance(event.get("object"), dict):
+                    yield event
+        finally:
+            self.response.release_conn()
+
+    def close(self) -> None:
+        self.response.shutdown()  # wakes a read blocked in another thread
+
+
+def selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+CORE = Kind("CoreV1Api", "", "", "")
+KEDA = Kind("CustomObjectsApi", "patch_namespaced_custom_object",
+            "list_namespaced_custom_object", "delete_namespaced_custom_object")

@@ -11,7 +11,7 @@ give the same manifests, which is what server-side apply and a no-change resync 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from controlplane.backends.base import BackendConfigError
@@ -24,6 +24,8 @@ MANAGED_BY = "fleetplane"
 APP_NAME = "vllm"
 ID_LABEL = "fleetplane.io/deployment-id"
 ROLE_LABEL = "fleetplane.io/role"
+# On the pod template: a new generation (changed engine args, a restart) rolls the pods.
+GENERATION_ANNOTATION = "fleetplane.io/generation"
 PORT = 8000
 MODELS_MOUNT = "/models"
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -58,6 +60,12 @@ class KubernetesConfig:
     termination_grace_seconds: int = 120
     prometheus_address: str = "http://prometheus.monitoring:9090"
     extra_labels: dict[str, str] = field(default_factory=dict)
+    #: Who sets the replica count: the control plane (default), or Kubernetes itself
+    #: through an HPA or a KEDA ScaledObject on waiting requests.
+    scaling: str = "controlplane"
+    #: Send each new pod one real request before it takes traffic. Needs the control
+    #: plane to reach pod IPs (it does when it runs in the cluster).
+    warm_up: bool = True
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> KubernetesConfig:
@@ -77,10 +85,15 @@ class KubernetesConfig:
                 if not isinstance(raw[name], str):
                     raise BackendConfigError(name, "must be a string")
                 values[name] = raw[name]
-        if "in_cluster" in raw:
-            if not isinstance(raw["in_cluster"], bool):
-                raise BackendConfigError("in_cluster", "must be true or false")
-            values["in_cluster"] = raw["in_cluster"]
+        for name in ("in_cluster", "warm_up"):
+            if name in raw:
+                if not isinstance(raw[name], bool):
+                    raise BackendConfigError(name, "must be true or false")
+                values[name] = raw[name]
+        if "scaling" in raw:
+            if raw["scaling"] not in SCALING:
+                raise BackendConfigError("scaling", f"one of {', '.join(SCALING)}")
+            values["scaling"] = raw["scaling"]
         for name in ("cpu", "memory", "shm_size"):
             if name in raw:
                 value = raw[name]
@@ -123,6 +136,10 @@ class KubernetesConfig:
             raise BackendConfigError("host_path", "required with model_source `hostPath`: "
                                                   "an absolute path on the nodes")
         return cls(**values)
+
+    def as_dict(self) -> dict[str, object]:
+        return {name: list(value) if isinstance(value, tuple) else value
+                for name, value in asdict(self).items()}
 
 
 def gpus_for(deployment: Deployment) -> int:
@@ -229,29 +246,38 @@ def metadata(deployment: Deployment, config: KubernetesConfig, name: str) -> dic
             "labels": {**config.extra_labels, **owner_labels(deployment)}}
 
 
-def render(deployment: Deployment, config: KubernetesConfig,
-           scaling: str = "controlplane") -> list[dict[str, Any]]:
-    """Every object the backend applies for this deployment, in apply order. `scaling`
-    `hpa` or `keda` adds Kubernetes' own scaling on waiting requests; the default leaves
-    the replica count to the control plane."""
+def render(deployment: Deployment, config: KubernetesConfig, scaling: str = "",
+           replicas: int | None = None) -> list[dict[str, Any]]:
+    """Every object the backend applies for this deployment, in apply order.
+
+    `scaling` (default: the configuration's) `hpa` or `keda` adds Kubernetes' own scaling
+    on waiting requests and leaves `spec.replicas` out, so the two never fight over it;
+    `controlplane` sets `replicas` (default: the desired active count plus the warm
+    standby pool). New pods start as `standby`: the control plane
+    promotes them (a label change) once they are ready and warmed."""
+    scaling = scaling or config.scaling
     if scaling not in SCALING:
         raise BackendConfigError("scaling", f"one of {', '.join(SCALING)}")
     selector = owner_labels(deployment)
-    replicas = deployment.desired_replicas()
+    spec: dict[str, Any] = {}
+    if scaling == "controlplane":
+        spec["replicas"] = (deployment.desired_replicas() + deployment.desired_standby()
+                            if replicas is None else replicas)
     objects: list[dict[str, Any]] = [
         {
             "apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": metadata(deployment, config, deployment.name),
             "spec": {
-                "replicas": replicas,
+                **spec,
                 "selector": {"matchLabels": selector},
                 # One replica at a time, never below the desired count: a GPU pod is slow to
                 # start and expensive to lose.
                 "strategy": {"type": "RollingUpdate",
                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
                 "template": {
-                    "metadata": {"labels": {**config.extra_labels, **selector,
-                                            ROLE_LABEL: "active"}},
+                    "metadata": {
+                        "labels": {**config.extra_labels, **selector, ROLE_LABEL: "standby"},
+                        "annotations": {GENERATION_ANNOTATION: str(deployment.generation)}},
                     "spec": pod_spec(deployment, config),
                 },
             },

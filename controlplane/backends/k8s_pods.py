@@ -2,16 +2,18 @@
 Replica row's phase, endpoint, node and devices, and to a message a person can act on
 (ImagePullBackOff, CrashLoopBackOff, OOMKilled, Unschedulable with the scheduler's words).
 
-A pure function of the pod object (as the API returns it, a dict), so it is tested
-without an API server.
+A pure function of the pod object as the API returns it (a dict), giving a Member (how the
+reconciler reads a pod-set backend's servers), so it is tested without an API server.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from controlplane.backends.k8s_manifests import PORT, ROLE_LABEL
+from controlplane.backends.base import Member
+from controlplane.backends.k8s_manifests import GENERATION_ANNOTATION, PORT, ROLE_LABEL
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 
 # Container waiting reasons that will not resolve by waiting.
 STUCK_REASONS = {
@@ -24,20 +26,7 @@ STUCK_REASONS = {
 }
 
 
-@dataclass(frozen=True)
-class PodState:
-    name: str
-    phase: str  # a Replica.Phase value
-    endpoint: str
-    node: str
-    devices: str
-    role: str
-    restarts: int
-    message: str  # empty when all is well
-    deleting: bool
-
-
-def observe_pod(pod: dict[str, Any]) -> PodState:
+def observe_pod(pod: dict[str, Any]) -> Member:
     metadata = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
@@ -56,12 +45,21 @@ def observe_pod(pod: dict[str, Any]) -> PodState:
     devices = f"{gpus} GPU" if gpus else ""
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     deleting = bool(metadata.get("deletionTimestamp"))
+    annotations = metadata.get("annotations") or {}
     phase, message = _phase(status, conditions, vllm, deleting)
-    return PodState(
+    return Member(
         name=str(metadata.get("name") or ""), phase=phase,
         endpoint=f"http://{ip}:{PORT}" if ip else "", node=node, devices=devices,
         role=str(labels.get(ROLE_LABEL) or "active"), restarts=restarts, message=message,
-        deleting=deleting)
+        deleting=deleting, generation=_integer(annotations.get(GENERATION_ANNOTATION)) or 0,
+        removal_marked=(_integer(annotations.get(DELETION_COST)) or 0) < 0)
+
+
+def _integer(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _phase(status: dict[str, Any], conditions: dict[str, dict[str, Any]],

@@ -22,6 +22,7 @@ import httpx
 import psutil
 from django.conf import settings
 
+from controlplane.backends import vllm_http
 from controlplane.backends.base import BackendConfigError, BackendError, Observation
 
 if TYPE_CHECKING:
@@ -121,6 +122,7 @@ def detect_gpus() -> list[str]:
 
 class LocalBackend:
     creates_replicas = True
+    owns_pods = False
 
     def __init__(self, config: LocalConfig) -> None:
         self.config = config
@@ -244,29 +246,10 @@ class LocalBackend:
                            message=f"/health answered {response.status_code}")
 
     def warm_up(self, deployment: Deployment, replica: Replica) -> None:
-        body = {"model": deployment.served_model_name(), "prompt": "Hello", "max_tokens": 1,
-                "temperature": 0}
-        try:
-            response = self.http.post(f"{replica.endpoint}/v1/completions", json=body, timeout=120)
-        except httpx.HTTPError as exc:
-            raise BackendError(f"warm-up request failed: {exc.__class__.__name__}") from None
-        if response.status_code != 200:
-            raise BackendError(f"warm-up request answered {response.status_code}: "
-                               f"{response.text[:300]}")
+        vllm_http.warm_up(self.http, deployment, replica.endpoint)
 
     def in_flight(self, replica: Replica) -> int | None:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        try:
-            response = self.http.get(f"{replica.endpoint}/metrics", timeout=3.0)
-            response.raise_for_status()
-        except httpx.HTTPError:
-            return None
-        total = 0.0
-        for family in text_string_to_metric_families(response.text):
-            if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-                total += sum(sample.value for sample in family.samples)
-        return int(total)
+        return vllm_http.in_flight(self.http, replica.endpoint)
 
     def stop(self, replica: Replica, *, force: bool) -> None:
         # The whole process group: vLLM's engine core runs in a child process.

@@ -4,7 +4,6 @@ removed, API errors carry the server's status and message, an unreachable server
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import kmock
@@ -19,13 +18,6 @@ from tests.product import free_port
 pytestmark = pytest.mark.django_db
 
 CONFIG = KubernetesConfig.from_dict({"namespace": "inference"})
-
-
-@pytest.fixture
-def emulated() -> Iterator[EmulatedCluster]:
-    cluster = EmulatedCluster().start()
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture

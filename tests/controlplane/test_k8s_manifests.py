@@ -101,6 +101,31 @@ def test_native_scaling_adds_an_autoscaler(deployment: Any) -> None:
     [*_, keda] = render(deployment, config, "keda")
     assert keda["kind"] == "ScaledObject"
     assert "vllm:num_requests_waiting" in keda["spec"]["triggers"][0]["metadata"]["query"]
+    # The autoscaler owns the count: applying it must not fight over spec.replicas.
+    assert "replicas" not in render(deployment, config, "hpa")[0]["spec"]
+    native = KubernetesConfig.from_dict({"namespace": "inference", "scaling": "keda"})
+    assert render(deployment, native)[-1]["kind"] == "ScaledObject"
+
+
+def test_pods_start_as_standby_and_carry_the_generation(deployment: Any) -> None:
+    config = KubernetesConfig.from_dict({"namespace": "inference"})
+    deployment.standby = 1
+    [apps, *_] = render(deployment, config)
+    assert apps["spec"]["replicas"] == 4  # three active and one warm standby
+    template = apps["spec"]["template"]["metadata"]
+    assert template["labels"]["fleetplane.io/role"] == "standby"
+    assert template["annotations"]["fleetplane.io/generation"] == str(deployment.generation)
+    assert "fleetplane.io/role" not in apps["spec"]["selector"]["matchLabels"]
+
+
+def test_a_configuration_is_accepted_through_the_api_check_and_kept_whole() -> None:
+    from controlplane.backends.base import validate_backend_config
+
+    stored = validate_backend_config("kubernetes", {"namespace": "inference",
+                                                    "gpu_product": "NVIDIA-H200"})
+    assert stored["namespace"] == "inference" and stored["scaling"] == "controlplane"
+    assert KubernetesConfig.from_dict(stored) == KubernetesConfig.from_dict(
+        {"namespace": "inference", "gpu_product": "NVIDIA-H200"})
 
 
 def test_the_same_inputs_give_the_same_manifests(deployment: Any) -> None:
@@ -119,6 +144,8 @@ def test_the_same_inputs_give_the_same_manifests(deployment: Any) -> None:
     ({"namespace": "a", "memory": "lots"}, "memory"),
     ({"namespace": "a", "startup_seconds": 5}, "startup_seconds"),
     ({"namespace": "a", "image_pull_secrets": "registry"}, "image_pull_secrets"),
+    ({"namespace": "a", "scaling": "magic"}, "scaling"),
+    ({"namespace": "a", "warm_up": "yes"}, "warm_up"),
 ])
 def test_bad_configuration_names_the_setting(raw: dict[str, Any], field: str) -> None:
     with pytest.raises(BackendConfigError) as caught:

@@ -21,9 +21,10 @@ class Command(BaseCommand):
                                  "deployment whose own backend is not kubernetes, e.g. "
                                  "'{\"namespace\": \"inference\", \"gpu_product\": "
                                  "\"NVIDIA-H100-80GB-HBM3\"}'")
-        parser.add_argument("--scaling", choices=SCALING, default="controlplane",
+        parser.add_argument("--scaling", choices=SCALING, default="",
                             help="add a HorizontalPodAutoscaler (hpa) or a KEDA "
-                                 "ScaledObject (keda); default: the control plane scales")
+                                 "ScaledObject (keda); default: the configuration's "
+                                 "`scaling` (the control plane scales)")
 
     def handle(self, *args: Any, **options: Any) -> None:
         deployment = Deployment.objects.select_related("model", "backend").filter(

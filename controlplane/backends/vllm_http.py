@@ -1,0 +1,42 @@
+"""The two requests every backend that runs vLLM sends to a replica: one real completion
+to warm it up, and a read of its queue (running plus waiting requests) from /metrics."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import httpx
+
+from controlplane.backends.base import BackendError
+
+if TYPE_CHECKING:
+    from controlplane.models import Deployment
+
+
+def warm_up(http: httpx.Client, deployment: Deployment, endpoint: str) -> None:
+    """One real request, so no user pays the first-request cost; raises on failure."""
+    body = {"model": deployment.served_model_name(), "prompt": "Hello", "max_tokens": 1,
+            "temperature": 0}
+    try:
+        response = http.post(f"{endpoint}/v1/completions", json=body, timeout=120)
+    except httpx.HTTPError as exc:
+        raise BackendError(f"warm-up request failed: {exc.__class__.__name__}") from None
+    if response.status_code != 200:
+        raise BackendError(f"warm-up request answered {response.status_code}: "
+                           f"{response.text[:300]}")
+
+
+def in_flight(http: httpx.Client, endpoint: str) -> int | None:
+    """Requests the server is running or queueing, or None when it cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = http.get(f"{endpoint}/metrics", timeout=3.0)
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    total = 0.0
+    for family in text_string_to_metric_families(response.text):
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            total += sum(sample.value for sample in family.samples)
+    return int(total)

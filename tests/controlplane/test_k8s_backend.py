@@ -1,0 +1,278 @@
+"""The Kubernetes backend driven by the reconciler, against the STAND-IN API server (kmock,
+tests/k8s_emulator.py), with the tests playing the ReplicaSet controller, the scheduler and
+the kubelets (ClusterPlayer): deployments become pods, pods become replica records, warm
+standby pods are promoted by a label change, scale-downs pick their victims, troubles show
+as conditions with the API server's or kubelet's words, and deletion removes everything
+made for the deployment and nothing else."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import kmock
+import pytest
+
+from controlplane.backends.base import backend_for
+from controlplane.backends.k8s_manifests import ROLE_LABEL
+from controlplane.backends.kubernetes import KubernetesBackend
+from controlplane.models import AuditEvent, Deployment, Replica
+from controlplane.reconciler import Reconciler
+from controlplane.routing import current_pools
+from tests.factories import make_backend, make_deployment, make_model
+from tests.k8s_emulator import ClusterPlayer, EmulatedCluster, write_kubeconfig
+from tests.product import free_port
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def player(emulated: EmulatedCluster) -> ClusterPlayer:
+    return ClusterPlayer(emulated.url)
+
+
+@pytest.fixture
+def make(emulated: EmulatedCluster, tmp_path: Any, settings: Any) -> Callable[..., Deployment]:
+    settings.RESTART_BACKOFF_BASE_SECONDS = 0.2
+    settings.RESTART_BACKOFF_MAX_SECONDS = 0.4
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", emulated.url)
+    record = make_backend("gpus", "kubernetes", {
+        "namespace": "inference", "kubeconfig": kubeconfig, "model_source": "pvc",
+        "pvc_name": "models", "warm_up": False})
+    model = make_model("llama")
+
+    def create(name: str = "chat", **fields: Any) -> Deployment:
+        return cast(Deployment, make_deployment(name, model=model, backend=record, **fields))
+
+    return create
+
+
+def backend_of(deployment: Deployment) -> KubernetesBackend:
+    return cast(KubernetesBackend, backend_for(deployment.backend))
+
+
+def converge(reconciler: Reconciler, check: Callable[[], Any], what: str,
+             seconds: float = 10) -> Any:
+    """Reconcile until `check` holds (the watch delivers the played changes meanwhile)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        result = reconciler.reconcile_all()
+        assert not result.errors, result.errors
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never reached: {what}")
+        time.sleep(0.05)
+
+
+def rows(deployment: Deployment) -> list[Replica]:
+    return list(Replica.objects.filter(deployment=deployment).order_by("name"))
+
+
+def phases(deployment: Deployment) -> dict[str, tuple[str, str]]:
+    return {r.name: (r.phase, r.role) for r in rows(deployment)}
+
+
+def test_a_deployment_becomes_pods_that_take_traffic_once_ready(
+        make: Callable[..., Deployment], player: ClusterPlayer,
+        emulated: EmulatedCluster) -> None:
+    deployment = make(replicas=2)
+    reconciler = Reconciler()
+    reconciler.reconcile_all()
+    stored = emulated.stored("apps/v1/deployments", "inference", "chat")
+    assert stored is not None and stored["spec"]["replicas"] == 2
+    assert emulated.stored("v1/services", "inference", "chat") is not None
+    assert emulated.stored("policy/v1/poddisruptionbudgets", "inference", "chat") is not None
+    assert player.sync() == ["chat-1", "chat-2"]
+    converge(reconciler, lambda: len(rows(deployment)) == 2, "a replica per pod")
+    assert {r.phase for r in rows(deployment)} == {Replica.Phase.PENDING}
+    player.loading("chat-1", ip="10.1.0.1")
+    converge(reconciler, lambda: phases(deployment)["chat-1"][0] == Replica.Phase.LOADING,
+             "chat-1 loading")
+    player.ready("chat-1", ip="10.1.0.1")
+    player.ready("chat-2", ip="10.1.0.2")
+    converge(reconciler, lambda: phases(deployment) == {
+        "chat-1": ("ready", "active"), "chat-2": ("ready", "active")}, "both serving")
+    # Promotion is a label on the pod, seen by anything that reads the cluster.
+    assert all(p["metadata"]["labels"][ROLE_LABEL] == "active" for p in player.pods())
+    replica = Replica.objects.get(name="chat-1")
+    assert replica.endpoint == "http://10.1.0.1:8000" and replica.pod_name == "chat-1"
+    assert "gpu-node-1" in replica.devices
+    [pool] = current_pools()
+    assert sorted(r.url for r in pool.replicas) == ["http://10.1.0.1:8000",
+                                                    "http://10.1.0.2:8000"]
+    deployment.refresh_from_db()
+    assert deployment.is_ready()
+    # A pass with nothing changed writes nothing: no API write, no event, no row.
+    backend = backend_of(deployment)
+    writes, events = backend.writes, AuditEvent.objects.count()
+    for _ in range(3):
+        assert reconciler.reconcile_all().changed == 0
+    assert backend.writes == writes and AuditEvent.objects.count() == events
+
+
+def test_a_warm_standby_is_promoted_by_a_label_change_and_refilled(
+        make: Callable[..., Deployment], player: ClusterPlayer) -> None:
+    deployment = make(replicas=1, standby=1)
+    reconciler = Reconciler()
+    reconciler.reconcile_all()
+    assert player.sync() == ["chat-1", "chat-2"]
+    player.ready("chat-1", ip="10.1.0.1")
+    player.ready("chat-2", ip="10.1.0.2")
+    converge(reconciler, lambda: sorted(phases(deployment).values()) == [
+        ("ready", "active"), ("ready", "standby")], "one active, one standby")
+    [pool] = current_pools()
+    assert len(pool.replicas) == 1  # the standby takes no traffic
+    standby = Replica.objects.get(role=Replica.Role.STANDBY)
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=2)
+    reconciler.reconcile_all()
+    # At once, in the same pass: the standby pod serves, same pod, no restart.
+    promoted = Replica.objects.get(pk=standby.pk)
+    assert (promoted.role, promoted.phase) == ("active", "ready")
+    assert player.pod(standby.pod_name)["metadata"]["labels"][ROLE_LABEL] == "active"
+    [pool] = current_pools()
+    assert len(pool.replicas) == 2
+    assert AuditEvent.objects.filter(action="replica-promoted",
+                                     replica_name=standby.name).exists()
+    # Then the pool is refilled: three pods, the new one standby once ready.
+    assert player.sync() == ["chat-3"]
+    player.ready("chat-3", ip="10.1.0.3")
+    converge(reconciler, lambda: phases(deployment).get("chat-3") == ("ready", "standby"),
+             "a new standby")
+
+
+def test_a_scale_down_removes_the_standby_first_and_keeps_the_pool(
+        make: Callable[..., Deployment], player: ClusterPlayer) -> None:
+    deployment = make(replicas=2, standby=1)
+    reconciler = Reconciler()
+    reconciler.reconcile_all()
+    player.sync()
+    for index, name in enumerate(["chat-1", "chat-2", "chat-3"], 1):
+        player.ready(name, ip=f"10.1.0.{index}")
+    converge(reconciler, lambda: sorted(phases(deployment).values()) == [
+        ("ready", "active"), ("ready", "active"), ("ready", "standby")], "2 + 1")
+    standby = Replica.objects.get(role=Replica.Role.STANDBY).name
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=1)
+    reconciler.reconcile_all()
+    # The standby was marked to go first, before the count was lowered...
+    notes = player.pod(standby)["metadata"]["annotations"]
+    assert int(notes["controller.kubernetes.io/pod-deletion-cost"]) < 0
+    # ...and one active pod moved to the standby pool (a drained active one refills it).
+    assert sorted(r.role for r in rows(deployment) if r.name != standby) == ["active",
+                                                                            "standby"]
+    player.sync()  # the ReplicaSet controller honours the cost
+    assert standby not in player.names("chat")
+    player.finish_terminating()
+    converge(reconciler, lambda: len(rows(deployment)) == 2, "two replicas left")
+    assert sorted(r.role for r in rows(deployment)) == ["active", "standby"]
+    assert AuditEvent.objects.filter(action="replica-stopped", replica_name=standby).exists()
+
+
+@pytest.mark.parametrize(("play", "expected"), [
+    (lambda p: p.unschedulable("chat-1", "0/4 nodes are available: 4 Insufficient "
+                                         "nvidia.com/gpu."),
+     "Insufficient nvidia.com/gpu"),
+    (lambda p: p.waiting("chat-1", "ImagePullBackOff",
+                         'Back-off pulling image "vllm/vllm-openai:nope"'),
+     "the image cannot be pulled"),
+    (lambda p: p.waiting("chat-1", "CrashLoopBackOff", "back-off 5m0s", last="OOMKilled"),
+     "OOMKilled"),
+])
+def test_pod_troubles_show_on_the_replica_and_the_deployment(
+        make: Callable[..., Deployment], player: ClusterPlayer,
+        play: Callable[[ClusterPlayer], None], expected: str) -> None:
+    deployment = make(replicas=1)
+    reconciler = Reconciler()
+    reconciler.reconcile_all()
+    player.sync()
+    play(player)
+
+    def degraded() -> str:
+        deployment.refresh_from_db()
+        condition = deployment.condition("Degraded") or {}
+        return str(condition.get("message")) if condition.get("status") == "True" else ""
+
+    message = converge(reconciler, degraded, "a Degraded condition")
+    assert expected in message
+    assert expected in Replica.objects.get().last_error
+    # Once the cause is gone the replica serves and the condition clears.
+    player.ready("chat-1")
+    converge(reconciler, lambda: not degraded() and deployment.is_ready(), "recovered")
+
+
+def test_api_errors_show_back_off_and_converge(make: Callable[..., Deployment],
+                                               emulated: EmulatedCluster) -> None:
+    message = "exceeded quota: gpu-quota, requested: requests.nvidia.com/gpu=1"
+
+    def refuse_twice() -> None:
+        assert emulated.emulator is not None
+        emulated.emulator["patch", kmock.resource("apps/v1/deployments")][:2] << 403 << {
+            "apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 403,
+            "reason": "Forbidden", "message": message}
+
+    emulated.call(refuse_twice)
+    deployment = make(replicas=1)
+    reconciler = Reconciler()
+    reconciler.reconcile_all()
+    deployment.refresh_from_db()
+    degraded = deployment.condition("Degraded")
+    assert degraded is not None and degraded["status"] == "True"
+    assert f"HTTP 403: applying Deployment chat: {message}" in degraded["message"]
+    failed = AuditEvent.objects.filter(action="apply-failed")
+    assert failed.count() == 1
+    reconciler.reconcile_all()  # within the backoff: not tried again
+    assert emulated.call(lambda: len(emulated.emulator["patch"])) == 1  # type: ignore[index]
+
+    def applied() -> bool:
+        deployment.refresh_from_db()
+        return (deployment.condition("Degraded") or {}).get("status") == "False"
+
+    converge(reconciler, applied, "applied after the backoff")
+    assert failed.count() == 1  # the same failure twice is one event
+    stored = emulated.stored("apps/v1/deployments", "inference", "chat")
+    assert stored is not None and stored["spec"]["replicas"] == 1
+
+
+def test_an_unreachable_api_server_changes_nothing_it_cannot_see(
+        make: Callable[..., Deployment], player: ClusterPlayer, tmp_path: Any) -> None:
+    deployment = make(replicas=1)
+    reconciler = Reconciler()
+    reconciler.reconcile_all()
+    player.sync()
+    player.ready("chat-1")
+    converge(reconciler, lambda: phases(deployment) == {
+        "chat-1": ("ready", "active")}, "serving")
+    backend = deployment.backend
+    backend.config = {**backend.config, "kubeconfig": write_kubeconfig(
+        tmp_path / "gone", f"http://127.0.0.1:{free_port()}")}
+    backend.save()
+    reconciler.reconcile_all()
+    deployment.refresh_from_db()
+    degraded = deployment.condition("Degraded")
+    assert degraded is not None and "cannot be reached" in degraded["message"]
+    assert phases(deployment) == {"chat-1": ("ready", "active")}  # not concluded gone
+
+
+def test_deleting_removes_everything_made_for_it_and_nothing_else(
+        make: Callable[..., Deployment], player: ClusterPlayer,
+        emulated: EmulatedCluster) -> None:
+    deployment = make(replicas=2)
+    other = make("other", replicas=1)
+    reconciler = Reconciler()
+    reconciler.reconcile_all()
+    player.sync()
+    converge(reconciler, lambda: len(rows(deployment)) == 2, "two replicas")
+    Deployment.objects.filter(pk=deployment.pk).update(deleting=True)
+    reconciler.reconcile_all()
+    for resource in ("apps/v1/deployments", "v1/services", "policy/v1/poddisruptionbudgets"):
+        assert emulated.stored(resource, "inference", "chat") is None
+        assert emulated.stored(resource, "inference", "other") is not None
+    assert Deployment.objects.filter(pk=deployment.pk).exists()  # its pods still end
+    player.sync()  # the garbage collector takes the pods
+    converge(reconciler, lambda: not Deployment.objects.filter(pk=deployment.pk).exists(),
+             "the deployment removed")
+    assert player.names("other") == ["other-3"]
+    assert Replica.objects.filter(deployment=other).count() == 1
+    assert AuditEvent.objects.filter(action="deleted").exists()
