@@ -39,6 +39,24 @@ def _one_pass(reconciler: Reconciler) -> None:
 
 
 async def run_controllers(stop: asyncio.Event) -> None:
+    from controlplane.leader import LeaseElection
+
+    election = LeaseElection.from_settings()
+    if election is not None:
+        logger.info("waiting to lead (Lease %s/%s, as %s)", election.namespace,
+                    election.name, election.identity)
+        if not await election.acquire(stop):
+            return
+        keeper = asyncio.get_running_loop().create_task(election.keep(stop))
+    try:
+        await _run(stop)
+    finally:
+        if election is not None:
+            stop.set()  # also when the controllers ended on their own: the Lease goes
+            await keeper
+
+
+async def _run(stop: asyncio.Event) -> None:
     from controlplane.collector import run_collector
     from controlplane.reconciler import Reconciler
 

@@ -473,8 +473,11 @@ class Reconciler:
         if len(active) < wanted:
             moves = [(r, Replica.Role.ACTIVE) for r in standby[:wanted - len(active)]]
         elif len(active) > wanted:
+            # The least loaded go to the pool; among equals the newest (the others' prefix
+            # caches are warm).
             loads = {r.pk: backend.in_flight(r) or 0 for r in active}
-            extra = sorted(active, key=lambda r: loads[r.pk])[:len(active) - wanted]
+            extra = sorted(active, key=lambda r: (loads[r.pk], -(
+                r.ready_at.timestamp() if r.ready_at else 0.0)))[:len(active) - wanted]
             moves = [(r, Replica.Role.STANDBY) for r in extra]
         changed = False
         for replica, role in moves:

@@ -190,6 +190,13 @@ HEALTH_RECORD_SECONDS = env_int("HEALTH_RECORD_SECONDS", 10, minimum=1)
 HEALTH_FAILURE_SECONDS = env_int("HEALTH_FAILURE_SECONDS", 30, minimum=1)
 DRAIN_TIMEOUT_SECONDS = env_int("DRAIN_TIMEOUT_SECONDS", 30, minimum=0)
 STOP_GRACE_SECONDS = env_int("STOP_GRACE_SECONDS", 15, minimum=1)
+# One active controller among several: `kubernetes` elects it through a Lease (the
+# controller Deployment in deploy/ sets it); `none`: this process always runs them.
+LEADER_ELECTION = env_choice("LEADER_ELECTION", "none", ("none", "kubernetes"))
+LEADER_ELECTION_NAMESPACE = env_str("LEADER_ELECTION_NAMESPACE", env_str("POD_NAMESPACE", ""))
+LEADER_ELECTION_LEASE = env_str("LEADER_ELECTION_LEASE", "fleetplane-controller")
+LEADER_ELECTION_IDENTITY = env_str("POD_NAME", "")
+LEADER_ELECTION_LEASE_SECONDS = env_int("LEADER_ELECTION_LEASE_SECONDS", 15, minimum=2)
 # The local backend's defaults for `make run`'s demo deployment and new local backends.
 LOCAL_KV_CACHE_GIB = env_int("LOCAL_KV_CACHE_GIB", 1, minimum=1)
 

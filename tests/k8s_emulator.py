@@ -16,7 +16,13 @@ import kmock
 
 
 class ApplyingEmulator(kmock.KubernetesEmulator):
+    #: Requests served, by HTTP method (the benchmark checks a resync writes nothing).
+    methods: dict[str, int]
+
     async def _handle(self, request: Any) -> Any:
+        counts = self.__dict__.setdefault("methods", {})
+        method = str(getattr(request.method, "name", request.method)).upper()
+        counts[method] = counts.get(method, 0) + 1
         content_type = request.headers.get("Content-Type", "")
         if (request.action == kmock.action.UPDATE and request.name
                 and request.subresource is None
@@ -111,9 +117,10 @@ class ClusterPlayer:
         return sorted(p["metadata"]["name"] for p in self.pods(deployment)
                       if not p["metadata"].get("deletionTimestamp"))
 
-    def sync(self) -> list[str]:
+    def sync(self, ready: bool = False) -> list[str]:
         """One pass of the ReplicaSet controller and the garbage collector; returns the
-        pods it created."""
+        pods it created (with `ready`, created running and ready at once, each with its
+        own IP: one request per pod, for the benchmark)."""
         deployments = {str(self.api.sanitize_for_serialization(d)["metadata"]["name"]): d
                        for d in self.apps.list_namespaced_deployment(self.namespace).items
                        or []}
@@ -130,10 +137,14 @@ class ClusterPlayer:
             for _ in range(wanted - len(live)):
                 self.serial += 1
                 pod_name = f"{name}-{self.serial}"
-                body = self.client.V1Pod.from_dict({
-                    "metadata": {"name": pod_name, "namespace": self.namespace,
-                                 **template["metadata"]},
-                    "spec": template["spec"]})
+                raw = {"metadata": {"name": pod_name, "namespace": self.namespace,
+                                    **template["metadata"]}, "spec": template["spec"]}
+                if ready:
+                    raw["spec"]["nodeName"] = "gpu-node-1"
+                    raw["status"] = self.ready_status(
+                        f"10.{self.serial // 65536}.{self.serial // 256 % 256}."
+                        f"{self.serial % 256}")
+                body = self.client.V1Pod.from_dict(raw)
                 assert body is not None
                 self.core.create_namespaced_pod(self.namespace, body)
                 created.append(pod_name)
@@ -171,13 +182,17 @@ class ClusterPlayer:
                                               _content_type="application/merge-patch+json")
 
     def ready(self, name: str, ip: str = "10.1.0.1", restarts: int = 0) -> None:
-        self._status(name, {
+        self._status(name, self.ready_status(ip, restarts))
+
+    @staticmethod
+    def ready_status(ip: str, restarts: int = 0) -> dict[str, Any]:
+        return {
             "phase": "Running", "podIP": ip,
             "conditions": [{"type": "PodScheduled", "status": "True"},
                            {"type": "Ready", "status": "True"}],
             "containerStatuses": [{"name": "vllm", "ready": True, "started": True,
                                    "restartCount": restarts, "image": "vllm", "imageID": "",
-                                   "state": {"running": {}}}]})
+                                   "state": {"running": {}}}]}
 
     def loading(self, name: str, ip: str = "10.1.0.1") -> None:
         self._status(name, {

@@ -253,8 +253,10 @@ def render(deployment: Deployment, config: KubernetesConfig, scaling: str = "",
     `scaling` (default: the configuration's) `hpa` or `keda` adds Kubernetes' own scaling
     on waiting requests and leaves `spec.replicas` out, so the two never fight over it;
     `controlplane` sets `replicas` (default: the desired active count plus the warm
-    standby pool). New pods start as `standby`: the control plane
-    promotes them (a label change) once they are ready and warmed."""
+    standby pool). New pods are labelled `active`, but take no traffic before the control
+    plane has seen them ready and warmed them up; it then relabels the ones beyond the
+    desired active count `standby` (the same template for every pod: a change of the
+    standby count restarts nothing)."""
     scaling = scaling or config.scaling
     if scaling not in SCALING:
         raise BackendConfigError("scaling", f"one of {', '.join(SCALING)}")
@@ -276,7 +278,7 @@ def render(deployment: Deployment, config: KubernetesConfig, scaling: str = "",
                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
                 "template": {
                     "metadata": {
-                        "labels": {**config.extra_labels, **selector, ROLE_LABEL: "standby"},
+                        "labels": {**config.extra_labels, **selector, ROLE_LABEL: "active"},
                         "annotations": {GENERATION_ANNOTATION: str(deployment.generation)}},
                     "spec": pod_spec(deployment, config),
                 },

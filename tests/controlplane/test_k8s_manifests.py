@@ -107,13 +107,13 @@ def test_native_scaling_adds_an_autoscaler(deployment: Any) -> None:
     assert render(deployment, native)[-1]["kind"] == "ScaledObject"
 
 
-def test_pods_start_as_standby_and_carry_the_generation(deployment: Any) -> None:
+def test_the_pod_template_carries_the_generation_and_a_role(deployment: Any) -> None:
     config = KubernetesConfig.from_dict({"namespace": "inference"})
     deployment.standby = 1
     [apps, *_] = render(deployment, config)
     assert apps["spec"]["replicas"] == 4  # three active and one warm standby
     template = apps["spec"]["template"]["metadata"]
-    assert template["labels"]["fleetplane.io/role"] == "standby"
+    assert template["labels"]["fleetplane.io/role"] == "active"
     assert template["annotations"]["fleetplane.io/generation"] == str(deployment.generation)
     assert "fleetplane.io/role" not in apps["spec"]["selector"]["matchLabels"]
 
