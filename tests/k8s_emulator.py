@@ -14,15 +14,29 @@ from typing import Any
 
 import kmock
 
+PLAYER_AGENT = "cluster-player"  # the User-Agent of ClusterPlayer's requests
+VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+
 
 class ApplyingEmulator(kmock.KubernetesEmulator):
     #: Requests served, by HTTP method (the benchmark checks a resync writes nothing).
     methods: dict[str, int]
+    #: (API group, resource[/subresource], RBAC verb) of every request but the player's.
+    verbs: set[tuple[str, str, str]]
 
     async def _handle(self, request: Any) -> Any:
         counts = self.__dict__.setdefault("methods", {})
         method = str(getattr(request.method, "name", request.method)).upper()
         counts[method] = counts.get(method, 0) + 1
+        if request.resource is not None and request.headers.get(
+                "User-Agent") != PLAYER_AGENT:
+            verb = VERBS.get(method) or (
+                "get" if request.name else
+                "watch" if request.action == kmock.action.WATCH else "list")
+            resource = request.resource.plural + (
+                f"/{request.subresource}" if request.subresource else "")
+            self.__dict__.setdefault("verbs", set()).add(
+                (request.resource.group or "", resource, verb))
         content_type = request.headers.get("Content-Type", "")
         if (request.action == kmock.action.UPDATE and request.name
                 and request.subresource is None
@@ -51,7 +65,8 @@ class EmulatedCluster:
             self.emulator, self.url = emulator, str(server.url).rstrip("/")
             for resource in ("v1/pods", "v1/services", "apps/v1/deployments",
                              "policy/v1/poddisruptionbudgets",
-                             "autoscaling/v2/horizontalpodautoscalers"):
+                             "autoscaling/v2/horizontalpodautoscalers",
+                             "keda.sh/v1alpha1/scaledobjects"):  # as where KEDA is installed
                 # Listed empty, not 404, before any object of the kind exists.
                 emulator.resources[resource] = {}  # type: ignore[assignment]
             self.ready.set()
@@ -99,6 +114,7 @@ class ClusterPlayer:
 
         self.client = client
         self.api = client.ApiClient(client.Configuration(host=url))
+        self.api.user_agent = PLAYER_AGENT
         self.apps = client.AppsV1Api(self.api)
         self.core = client.CoreV1Api(self.api)
         self.namespace = namespace
