@@ -434,7 +434,7 @@ class Reconciler:
         candidates = [r for r in replicas if r.generation == deployment.generation
                       and r.pod_name in members and not members[r.pod_name].deleting]
         excess = len(candidates) - wanted
-        if excess <= 0:
+        if excess <= 0 or not wanted:  # to zero: every pod goes, no choice to make
             return False
 
         def order(replica: Replica) -> tuple[int, int, int]:

@@ -175,6 +175,10 @@ def backend_for(record: Backend) -> AnyBackend:
             backend = KubernetesBackend(KubernetesConfig.from_dict(record.config))
         else:
             raise BackendError(f"backend kind {record.kind!r} is not available")
+        for old in [k for k in _instances if k[0] == record.pk]:  # its config changed
+            close = getattr(_instances.pop(old), "close", None)
+            if close is not None:
+                close()
         _instances[key] = backend
     return backend
 

@@ -202,15 +202,23 @@ def test_pod_troubles_show_on_the_replica_and_the_deployment(
     converge(reconciler, lambda: not degraded() and deployment.is_ready(), "recovered")
 
 
+@pytest.mark.parametrize(("status", "reason", "message"), [
+    (403, "Forbidden", "exceeded quota: gpu-quota, requested: requests.nvidia.com/gpu=1"),
+    (401, "Unauthorized", "Unauthorized"),
+    (409, "Conflict", 'Apply failed with 1 conflict: conflict with "kubectl-edit": '
+                      '.spec.replicas'),
+    (422, "Invalid", 'Deployment.apps "chat" is invalid: spec.template.spec.containers[0]'
+                     '.resources.requests: Invalid value: "16Gi": must be less than or '
+                     'equal to memory limit'),
+])
 def test_api_errors_show_back_off_and_converge(make: Callable[..., Deployment],
-                                               emulated: EmulatedCluster) -> None:
-    message = "exceeded quota: gpu-quota, requested: requests.nvidia.com/gpu=1"
-
+                                               emulated: EmulatedCluster, status: int,
+                                               reason: str, message: str) -> None:
     def refuse_twice() -> None:
         assert emulated.emulator is not None
-        emulated.emulator["patch", kmock.resource("apps/v1/deployments")][:2] << 403 << {
-            "apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 403,
-            "reason": "Forbidden", "message": message}
+        emulated.emulator["patch", kmock.resource("apps/v1/deployments")][:2] << status << {
+            "apiVersion": "v1", "kind": "Status", "status": "Failure", "code": status,
+            "reason": reason, "message": message}
 
     emulated.call(refuse_twice)
     deployment = make(replicas=1)
@@ -219,7 +227,7 @@ def test_api_errors_show_back_off_and_converge(make: Callable[..., Deployment],
     deployment.refresh_from_db()
     degraded = deployment.condition("Degraded")
     assert degraded is not None and degraded["status"] == "True"
-    assert f"HTTP 403: applying Deployment chat: {message}" in degraded["message"]
+    assert f"HTTP {status}: applying Deployment chat: {message}" in degraded["message"]
     failed = AuditEvent.objects.filter(action="apply-failed")
     assert failed.count() == 1
     reconciler.reconcile_all()  # within the backoff: not tried again
@@ -233,6 +241,9 @@ def test_api_errors_show_back_off_and_converge(make: Callable[..., Deployment],
     assert failed.count() == 1  # the same failure twice is one event
     stored = emulated.stored("apps/v1/deployments", "inference", "chat")
     assert stored is not None and stored["spec"]["replicas"] == 1
+    assert emulated.call(lambda: len([  # one Deployment object: nothing duplicated
+        key for key in emulated.emulator.objects  # type: ignore[union-attr]
+        if "deployments" in str(key)])) == 1
 
 
 def test_an_unreachable_api_server_changes_nothing_it_cannot_see(

@@ -105,6 +105,11 @@ def test_native_scaling_adds_an_autoscaler(deployment: Any) -> None:
     assert "replicas" not in render(deployment, config, "hpa")[0]["spec"]
     native = KubernetesConfig.from_dict({"namespace": "inference", "scaling": "keda"})
     assert render(deployment, native)[-1]["kind"] == "ScaledObject"
+    # Stopped: no autoscaler may bring pods back, and the count is zero.
+    deployment.state = "stopped"
+    stopped = render(deployment, native)
+    assert [o["kind"] for o in stopped] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert stopped[0]["spec"]["replicas"] == 0
 
 
 def test_the_pod_template_carries_the_generation_and_a_role(deployment: Any) -> None:
