@@ -25,6 +25,10 @@ class ApplyingEmulator(kmock.KubernetesEmulator):
     verbs: set[tuple[str, str, str]]
 
     async def _handle(self, request: Any) -> Any:
+        if self.__dict__.get("forget_requests"):
+            # kmock keeps every request and scans them all to match each new one (O(n)
+            # per request); a benchmark that injects nothing keeps only the current one.
+            del self._requests[:-1]
         counts = self.__dict__.setdefault("methods", {})
         method = str(getattr(request.method, "name", request.method)).upper()
         counts[method] = counts.get(method, 0) + 1
@@ -48,10 +52,30 @@ class ApplyingEmulator(kmock.KubernetesEmulator):
         return await super()._handle(request)
 
 
+    # kmock finds the objects a request names by comparing every stored key through its
+    # general pattern matcher: O(objects) per request, seconds per write at benchmark
+    # sizes. The same answers, from the dict's own lookup and plain resource names.
+    def _KubernetesEmulator__get_objs(self, request: Any, strict: bool) -> list[Any]:
+        objects = self._objects._objects
+        if request.name is not None and (strict or request.namespace is not None):
+            found = objects.get((request.resource, request.namespace, request.name))
+            return [found] if found is not None else []
+        wanted = _resource_name(request.resource)
+        return [obj for (resource, namespace, name), obj in objects.items()
+                if _resource_name(resource) == wanted
+                and (request.namespace is None or namespace == request.namespace)
+                and (request.name is None or name == request.name)]
+
+
+def _resource_name(resource: Any) -> tuple[str, str, str]:
+    return (resource.group or "", resource.version or "", resource.plural or "")
+
+
 class EmulatedCluster:
     """kmock serving on 127.0.0.1 from a background thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, forget_requests: bool = False) -> None:
+        self.forget_requests = forget_requests
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.url = ""
@@ -63,6 +87,7 @@ class EmulatedCluster:
         self.stopping = asyncio.Event()
         async with ApplyingEmulator() as emulator, kmock.Server(emulator) as server:
             self.emulator, self.url = emulator, str(server.url).rstrip("/")
+            emulator.__dict__["forget_requests"] = self.forget_requests
             for resource in ("v1/pods", "v1/services", "apps/v1/deployments",
                              "policy/v1/poddisruptionbudgets",
                              "autoscaling/v2/horizontalpodautoscalers",
