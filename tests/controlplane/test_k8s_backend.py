@@ -287,3 +287,37 @@ def test_deleting_removes_everything_made_for_it_and_nothing_else(
     assert player.names("other") == ["other-3"]
     assert Replica.objects.filter(deployment=other).count() == 1
     assert AuditEvent.objects.filter(action="deleted").exists()
+
+
+def test_pods_are_warmed_up_before_they_serve(
+        make: Callable[..., Deployment], player: ClusterPlayer, fake_engines: Any) -> None:
+    """Pods 'at' loopback addresses with a FAKE engine (fakes/engine.py) on the pod port:
+    each gets one real completion before it is ready; one where nothing answers stays
+    warming, says why, and takes no traffic."""
+    deployment = make(replicas=1, standby=1)
+    backend = deployment.backend
+    backend.config = {**backend.config, "warm_up": True}
+    backend.save()
+    engines = [fake_engines(f"pod-{n}", model="chat", host=f"127.0.0.{n}", port=8000)
+               for n in (21, 22)]
+    reconciler = Reconciler()
+    reconciler.reconcile_all()
+    assert player.sync() == ["chat-1", "chat-2"]
+    player.ready("chat-1", ip="127.0.0.21")
+    player.ready("chat-2", ip="127.0.0.22")
+    converge(reconciler, lambda: sorted(phases(deployment).values()) == [
+        ("ready", "active"), ("ready", "standby")], "warmed: one active, one standby")
+    for engine in engines:
+        assert engine.metric("vllm:request_success_total") >= 1  # the warm-up request
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=2)
+    reconciler.reconcile_all()
+    [pool] = current_pools()
+    assert sorted(r.url for r in pool.replicas) == ["http://127.0.0.21:8000",
+                                                    "http://127.0.0.22:8000"]
+    assert player.sync() == ["chat-3"]
+    player.ready("chat-3", ip="127.0.0.23")  # nothing listens there
+    converge(reconciler, lambda: "warm-up request failed" in Replica.objects.get(
+        name="chat-3").last_error, "a failed warm-up shown")
+    assert Replica.objects.get(name="chat-3").phase == Replica.Phase.WARMING
+    [pool] = current_pools()
+    assert len(pool.replicas) == 2

@@ -81,13 +81,21 @@ def test_the_watch_lists_then_follows_changes(
     assert watcher.lists == 1 and len(changes) >= 4  # followed, not listed again
 
 
+GONE = {"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 410,
+        "reason": "Expired", "message": "too old resource version: 1 (2)"}
+
+
+@pytest.mark.parametrize("form", ["answer", "event"])
 def test_gone_makes_it_list_again(emulated: EmulatedCluster,
-                                  watchers: Callable[[Cluster], PodWatcher]) -> None:
+                                  watchers: Callable[[Cluster], PodWatcher],
+                                  form: str) -> None:
     def expire_first_watch() -> None:
         assert emulated.emulator is not None
-        emulated.emulator["watch", kmock.resource("v1/pods")][:1] << 410 << {
-            "apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 410,
-            "reason": "Expired", "message": "too old resource version: 1 (2)"}
+        first = emulated.emulator["watch", kmock.resource("v1/pods")][:1]
+        if form == "answer":  # the watch request itself answered 410
+            first << 410 << GONE
+        else:  # an open watch streams an ERROR event with code 410, as API servers do
+            first << ({"type": "ERROR", "object": GONE},)
 
     emulated.call(expire_first_watch)
     cluster = Cluster(CONFIG, api_client(CONFIG, emulated.url))
