@@ -1,0 +1,362 @@
+"""The autoscaler: every interval, from the metrics store, the desired number of active
+replicas of each deployment that has an autoscaling policy.
+
+A policy (`Deployment.autoscaling`, checked by `Policy.from_dict`) names one or more
+signals with targets. Each signal proposes a count the way Kubernetes' HPA does,
+ceil(current * value / target), or for per-replica signals ceil(total / target); the
+largest proposal wins. The result is kept within min..max (a schedule may give other
+bounds by time of day), then stabilized: a scale-up takes the smallest proposal of the
+scale-up window, a scale-down the largest of the scale-down window (so one quiet scrape
+does not drop capacity), moves at most `max_step` replicas, and waits `cooldown_seconds`
+after a change. A signal that is missing or stale never lowers the count: the autoscaler
+holds and says why. With min 0 a deployment with no traffic for `idle_seconds` goes to
+zero; demand seen at the gateway for it brings one replica back at once.
+
+`decide` is a pure function of the policy, the figures and the remembered proposals, so
+whole scenarios are tested without processes; `Autoscaler.run_once` applies decisions
+through the same service as a person's change and records each as an event carrying its
+inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+SIGNALS = {
+    # name: (what it reads, per replica?, what a target means)
+    "waiting_per_replica": ("requests waiting in the engines", True, "requests"),
+    "kv_cache": ("mean KV-cache use of the active replicas", False, "a fraction, 0-1"),
+    "queue_per_replica": ("requests in flight at the gateway", True, "requests"),
+    "tokens_per_s_per_replica": ("generated tokens per second", True, "tokens/s"),
+    # Offered because operators ask for it; it reads near 100% whenever batching is active,
+    # so it is never the default.
+    "gpu_utilization": ("mean GPU utilisation of the active replicas", False, "percent"),
+}
+DEFAULT_SIGNALS = ({"name": "waiting_per_replica", "target": 2.0},)
+TIME = re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]$")
+DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+
+
+class PolicyError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field, self.message = field, message
+
+
+@dataclass(frozen=True)
+class Window:
+    """Other bounds between two times of day (UTC), on some days."""
+
+    start: str
+    end: str
+    min_replicas: int
+    max_replicas: int
+    days: tuple[str, ...] = DAYS
+
+    def covers(self, moment: datetime) -> bool:
+        if DAYS[moment.weekday()] not in self.days:
+            return False
+        now = moment.strftime("%H:%M")
+        if self.start <= self.end:
+            return self.start <= now < self.end
+        return now >= self.start or now < self.end  # across midnight
+
+
+@dataclass(frozen=True)
+class Policy:
+    min_replicas: int
+    max_replicas: int
+    signals: tuple[tuple[str, float], ...] = (("waiting_per_replica", 2.0),)
+    schedule: tuple[Window, ...] = ()
+    scale_up_window_seconds: float = 0.0
+    scale_down_window_seconds: float = 300.0
+    max_step: int = 4
+    cooldown_seconds: float = 30.0
+    idle_seconds: float = 600.0
+    enabled: bool = True
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, min_replicas: int, max_replicas: int) -> Policy:
+        """Check a policy as a client sends it; the deployment's min and max are the
+        default bounds."""
+        if not isinstance(raw, dict):
+            raise PolicyError("autoscaling", "must be an object")
+        known = {"enabled", "signals", "schedule", "scale_up_window_seconds",
+                 "scale_down_window_seconds", "max_step", "cooldown_seconds", "idle_seconds"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise PolicyError(unknown[0], f"unknown setting; known: {', '.join(sorted(known))}")
+        check_bounds("autoscaling", min_replicas, max_replicas)
+        values: dict[str, Any] = {"min_replicas": min_replicas, "max_replicas": max_replicas}
+        if "enabled" in raw:
+            if not isinstance(raw["enabled"], bool):
+                raise PolicyError("enabled", "must be true or false")
+            values["enabled"] = raw["enabled"]
+        signals = raw.get("signals", list(DEFAULT_SIGNALS))
+        if not isinstance(signals, list) or not signals:
+            raise PolicyError("signals", "must be a non-empty list of {name, target}")
+        checked = []
+        for index, signal in enumerate(signals):
+            where = f"signals[{index}]"
+            if not isinstance(signal, dict) or set(signal) != {"name", "target"}:
+                raise PolicyError(where, "must be {\"name\": ..., \"target\": ...}")
+            if signal["name"] not in SIGNALS:
+                raise PolicyError(where, f"unknown signal {signal['name']!r}; known: "
+                                         f"{', '.join(SIGNALS)}")
+            target = signal["target"]
+            if isinstance(target, bool) or not isinstance(target, int | float) or not (
+                    target > 0 and math.isfinite(target)):
+                raise PolicyError(where, "target must be a number above 0")
+            if signal["name"] == "kv_cache" and target > 1:
+                raise PolicyError(where, "the kv_cache target is a fraction (0-1)")
+            checked.append((signal["name"], float(target)))
+        if len({name for name, _ in checked}) != len(checked):
+            raise PolicyError("signals", "each signal may appear once")
+        values["signals"] = tuple(checked)
+        for name, low in (("scale_up_window_seconds", 0), ("scale_down_window_seconds", 0),
+                          ("cooldown_seconds", 0), ("idle_seconds", 10)):
+            if name in raw:
+                value = raw[name]
+                if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                        low <= value <= 86400):
+                    raise PolicyError(name, f"must be a number of seconds, {low}-86400")
+                values[name] = float(value)
+        if "max_step" in raw:
+            step = raw["max_step"]
+            if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+                raise PolicyError("max_step", "must be a whole number of at least 1")
+            values["max_step"] = step
+        values["schedule"] = tuple(check_window(index, window) for index, window in
+                                   enumerate(_list(raw.get("schedule", []), "schedule")))
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The stored form (without the bounds, which live on the deployment)."""
+        return {"enabled": self.enabled,
+                "signals": [{"name": n, "target": t} for n, t in self.signals],
+                "schedule": [{"start": w.start, "end": w.end, "days": list(w.days),
+                              "min_replicas": w.min_replicas, "max_replicas": w.max_replicas}
+                             for w in self.schedule],
+                "scale_up_window_seconds": self.scale_up_window_seconds,
+                "scale_down_window_seconds": self.scale_down_window_seconds,
+                "max_step": self.max_step, "cooldown_seconds": self.cooldown_seconds,
+                "idle_seconds": self.idle_seconds}
+
+    def bounds(self, moment: datetime) -> tuple[int, int]:
+        for window in self.schedule:
+            if window.covers(moment):
+                return window.min_replicas, window.max_replicas
+        return self.min_replicas, self.max_replicas
+
+
+def _list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise PolicyError(name, "must be a list")
+    return value
+
+
+def check_bounds(where: str, low: Any, high: Any) -> None:
+    for name, value in (("min_replicas", low), ("max_replicas", high)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PolicyError(f"{where}.{name}" if where != "autoscaling" else name,
+                              "must be a whole number of at least 0")
+    if low > high:
+        raise PolicyError("min_replicas", f"min_replicas ({low}) is above max_replicas "
+                                          f"({high})")
+    if high < 1:
+        raise PolicyError("max_replicas", "must be at least 1 for autoscaling")
+
+
+def check_window(index: int, raw: Any) -> Window:
+    where = f"schedule[{index}]"
+    if not isinstance(raw, dict):
+        raise PolicyError(where, "must be an object")
+    unknown = sorted(set(raw) - {"start", "end", "days", "min_replicas", "max_replicas"})
+    if unknown:
+        raise PolicyError(where, f"unknown key {unknown[0]!r}")
+    for key in ("start", "end"):
+        if not isinstance(raw.get(key), str) or not TIME.match(raw[key]):
+            raise PolicyError(where, f"{key} must be a time of day HH:MM (UTC)")
+    if raw["start"] == raw["end"]:
+        raise PolicyError(where, "start and end must differ")
+    days = raw.get("days", list(DAYS))
+    if not isinstance(days, list) or not days or not all(d in DAYS for d in days):
+        raise PolicyError(where, f"days must be a list of {', '.join(DAYS)}")
+    check_bounds(where, raw.get("min_replicas"), raw.get("max_replicas"))
+    return Window(raw["start"], raw["end"], raw["min_replicas"], raw["max_replicas"],
+                  tuple(days))
+
+
+@dataclass
+class Figures:
+    """What the metrics store says of one deployment at one moment."""
+
+    at: float  # when the figures were taken (epoch seconds)
+    active: int  # ready, active replicas
+    waiting: float | None = None
+    running: float | None = None
+    kv_cache: float | None = None
+    tokens_per_s: float | None = None
+    gateway_in_flight: float | None = None
+    requests_per_s: float | None = None
+    gpu_utilization: float | None = None
+    scrape_failures: int = 0
+    demand: int = 0  # requests waiting at the gateway for a deployment with no replica
+
+
+@dataclass
+class Memory:
+    """What the autoscaler remembers of one deployment between decisions."""
+
+    proposals: deque[tuple[float, int]] = field(default_factory=deque)
+    last_change: float = -math.inf
+    idle_since: float | None = None
+    started: float | None = None
+    start_count: int = 0
+    last_reason: str = ""
+
+
+@dataclass
+class Decision:
+    current: int
+    desired: int
+    reason: str
+    inputs: dict[str, Any]
+
+    @property
+    def changes(self) -> bool:
+        return self.desired != self.current
+
+
+def signal_value(name: str, figures: Figures) -> float | None:
+    return {
+        "waiting_per_replica": figures.waiting,
+        "kv_cache": figures.kv_cache,
+        "queue_per_replica": figures.gateway_in_flight,
+        "tokens_per_s_per_replica": figures.tokens_per_s,
+        "gpu_utilization": figures.gpu_utilization,
+    }[name]
+
+
+def propose(name: str, target: float, value: float, current: int) -> int:
+    """The count this signal asks for (per-replica signals: the total over the target)."""
+    if SIGNALS[name][1]:
+        return math.ceil(round(value / target, 6))
+    return math.ceil(round(max(current, 1) * value / target, 6))
+
+
+def decide(policy: Policy, current: int, figures: Figures | None, memory: Memory,
+           now: float, moment: datetime, *, stale_seconds: float) -> Decision:
+    """The desired active count for this moment, and why."""
+    low, high = policy.bounds(moment)
+    inputs: dict[str, Any] = {"current": current, "min": low, "max": high, "signals": {}}
+
+    def done(desired: int, reason: str) -> Decision:
+        inputs["result"] = desired
+        return Decision(current, desired, reason, inputs)
+
+    if current < low:
+        memory.last_change = now
+        return done(low, f"below the minimum ({low})")
+    if current > high:
+        memory.last_change = now
+        return done(high, f"above the maximum ({high})")
+    if figures is None or now - figures.at > stale_seconds:
+        return done(current, "holding: no recent metrics (the collector has not scraped "
+                             "this deployment lately)")
+    if current == 0:
+        if figures.demand > 0:
+            memory.idle_since = None
+            memory.last_change = now
+            return done(1, f"waking: {figures.demand} request(s) waiting at the gateway")
+        return done(0, "scaled to zero: no demand")
+    proposals: list[int] = []
+    missing: list[str] = []
+    for name, target in policy.signals:
+        value = signal_value(name, figures)
+        if value is None:
+            missing.append(name)
+            inputs["signals"][name] = {"value": None, "target": target}
+            continue
+        wanted = propose(name, target, value, current)
+        inputs["signals"][name] = {"value": round(value, 4), "target": target,
+                                   "proposes": wanted}
+        proposals.append(wanted)
+    failing = figures.scrape_failures > 0
+    raw = max(proposals) if proposals else current
+    # Idle to zero (min 0): no traffic at all for idle_seconds.
+    busy = any((v or 0) > 0 for v in (figures.running, figures.waiting,
+                                       figures.gateway_in_flight, figures.requests_per_s))
+    if busy or failing:
+        memory.idle_since = None
+    elif memory.idle_since is None:
+        memory.idle_since = now
+    if low == 0 and memory.idle_since is not None and now - memory.idle_since >= \
+            policy.idle_seconds:
+        inputs["idle_seconds"] = round(now - memory.idle_since, 1)
+        memory.proposals.clear()
+        memory.last_change = now
+        return done(0, f"idle for {now - memory.idle_since:.0f} s: scaling to zero")
+    bounded = min(max(raw, max(low, 1)), high)
+    if memory.started is None:
+        memory.started, memory.start_count = now, current
+    memory.proposals.append((now, bounded))
+    horizon = max(policy.scale_up_window_seconds, policy.scale_down_window_seconds)
+    while memory.proposals and memory.proposals[0][0] < now - horizon:
+        memory.proposals.popleft()
+    up = min(p for t, p in memory.proposals if t >= now - policy.scale_up_window_seconds)
+    down = max(p for t, p in memory.proposals if t >= now - policy.scale_down_window_seconds)
+    if now - memory.started < policy.scale_down_window_seconds:
+        # Nothing remembered from before (a controller start): no scale-down below the
+        # count found until a whole window has been seen.
+        down = max(down, memory.start_count)
+    inputs["proposed"] = bounded
+    if up > current:
+        desired = min(up, current + policy.max_step)
+        reason = "scaling up: " + strongest(inputs)
+    elif down < current:
+        if missing or failing:
+            why = (f"signal(s) {', '.join(missing)} missing" if missing else
+                   f"{figures.scrape_failures} replica scrape(s) failing")
+            return done(current, f"holding: {why}, so no scale-down")
+        desired = max(down, current - policy.max_step)
+        reason = "scaling down: " + strongest(inputs)
+    else:
+        return done(current, "steady")
+    if now - memory.last_change < policy.cooldown_seconds:
+        return done(current, f"cooling down ({policy.cooldown_seconds:.0f} s after the last "
+                             f"change)")
+    memory.last_change = now
+    return done(desired, reason)
+
+
+def strongest(inputs: dict[str, Any]) -> str:
+    signals = [(s.get("proposes") or 0, name, s) for name, s in inputs["signals"].items()
+               if s.get("value") is not None]
+    if not signals:
+        return "bounds"
+    _, name, signal = max(signals)
+    return f"{name} {signal['value']} against a target of {signal['target']:g}"
+
+
+def figures_from_summary(summary: dict[str, Any], at: float, demand: int,
+                         gpu: float | None) -> Figures:
+    """The collector's per-deployment summary (controlplane/collector.py) as figures."""
+    return Figures(
+        at=at, active=int(summary.get("ready") or 0), waiting=summary.get("waiting"),
+        running=summary.get("running"), kv_cache=summary.get("kv_cache"),
+        tokens_per_s=summary.get("tokens_per_s"),
+        gateway_in_flight=summary.get("in_flight"),
+        requests_per_s=summary.get("requests_per_s"), gpu_utilization=gpu,
+        scrape_failures=int(summary.get("scrape_failures") or 0), demand=demand)
+
+
+def decision_record(decision: Decision) -> dict[str, Any]:
+    return {"current": decision.current, "desired": decision.desired,
+            "reason": decision.reason, **decision.inputs}
+
