@@ -266,15 +266,17 @@ def decide(policy: Policy, current: int, figures: Figures | None, memory: Memory
     if current > high:
         memory.last_change = now
         return done(high, f"above the maximum ({high})")
+    if current == 0:  # demand is counted by the gateway, not scraped: never stale
+        waiting = figures.demand if figures is not None else 0
+        inputs["demand"] = waiting
+        if waiting > 0:
+            memory.idle_since = None
+            memory.last_change = now
+            return done(1, f"waking: {waiting} request(s) waiting at the gateway")
+        return done(0, "scaled to zero: no demand")
     if figures is None or now - figures.at > stale_seconds:
         return done(current, "holding: no recent metrics (the collector has not scraped "
                              "this deployment lately)")
-    if current == 0:
-        if figures.demand > 0:
-            memory.idle_since = None
-            memory.last_change = now
-            return done(1, f"waking: {figures.demand} request(s) waiting at the gateway")
-        return done(0, "scaled to zero: no demand")
     proposals: list[int] = []
     missing: list[str] = []
     for name, target in policy.signals:
@@ -360,3 +362,92 @@ def decision_record(decision: Decision) -> dict[str, Any]:
     return {"current": decision.current, "desired": decision.desired,
             "reason": decision.reason, **decision.inputs}
 
+
+
+class Autoscaler:
+    """Decides for every running deployment with an enabled policy, from the collector in
+    this process; applies changes to `Deployment.replicas` (the reconciler does the rest)
+    and records each change, and each new reason for holding, as an event with its
+    inputs."""
+
+    ACTOR = "autoscaler"
+
+    def __init__(self) -> None:
+        self.memory: dict[int, Memory] = {}
+
+    def run_once(self, now: float | None = None, moment: datetime | None = None
+                 ) -> list[tuple[str, Decision]]:
+        import time
+        from datetime import UTC
+
+        from django.conf import settings
+
+        from controlplane.collector import current
+        from controlplane.models import Deployment
+        from controlplane.services import audit
+        from serving.demand import total as demand_total
+
+        now = time.time() if now is None else now
+        moment = datetime.now(UTC) if moment is None else moment
+        collector = current()
+        fleet = collector.store.fleet if collector is not None else {}
+        summaries = {d["name"]: d for d in fleet.get("deployments") or []}
+        at = float(fleet.get("t") or 0.0)
+        decisions = []
+        deployments = Deployment.objects.filter(
+            deleting=False, state=Deployment.State.RUNNING).exclude(autoscaling=None)
+        for deployment in deployments:
+            try:
+                policy = Policy.from_dict(deployment.autoscaling,
+                                          min_replicas=deployment.min_replicas,
+                                          max_replicas=deployment.max_replicas)
+            except PolicyError:
+                continue  # stored policies are checked on the way in; an old one is skipped
+            if not policy.enabled:
+                continue
+            memory = self.memory.setdefault(deployment.pk, Memory())
+            summary = summaries.get(deployment.name)
+            waiting = (demand_total(deployment.name, settings.REDIS_URL)
+                       if deployment.replicas == 0 else 0)
+            figures = (figures_from_summary(summary, at, demand=waiting, gpu=gpu_of(
+                collector, deployment.name)) if summary is not None else
+                Figures(at=now, active=0, demand=waiting) if waiting else None)
+            decision = decide(policy, deployment.replicas, figures, memory, now, moment,
+                              stale_seconds=3 * settings.SCRAPE_INTERVAL)
+            decisions.append((deployment.name, decision))
+            record = decision_record(decision)
+            if decision.changes:
+                changed = Deployment.objects.filter(
+                    pk=deployment.pk, replicas=deployment.replicas).update(
+                    replicas=decision.desired)
+                if changed:
+                    audit(self.ACTOR, "autoscaled", deployment,
+                          f"{deployment.replicas} -> {decision.desired} replicas: "
+                          f"{decision.reason}", before={"replicas": deployment.replicas},
+                          after=record)
+                memory.last_reason = ""
+            elif decision.reason.startswith("holding") and decision.reason != \
+                    memory.last_reason:
+                audit(self.ACTOR, "autoscaler-holding", deployment, decision.reason,
+                      after=record)
+                memory.last_reason = decision.reason
+            elif not decision.reason.startswith("holding"):
+                memory.last_reason = ""
+        live = {d.pk for d in deployments}
+        for pk in set(self.memory) - live:
+            del self.memory[pk]
+        return decisions
+
+
+def gpu_of(collector: Any, deployment: str) -> float | None:
+    """Mean GPU utilisation of the deployment's active replicas in the last pass."""
+    if collector is None:
+        return None
+    values = []
+    for series in collector.store.replicas.values():
+        if series.target.deployment == deployment and series.target.role != "standby" \
+                and series.samples:
+            value = series.samples[-1].get("gpu_util")
+            if value is not None:
+                values.append(float(value))
+    return sum(values) / len(values) if values else None

@@ -665,11 +665,14 @@ class Collector:
             replicas = per_deployment[name]
             samples = [r["sample"] for r in replicas if r["role"] != "standby"]
             gate = gateway.get(name, {})
+            counts = deployments.get(name, {"desired": 0, "ready": 0, "standby": 0})
+            # The deployment's own series: the gateway's figures and the replica counts
+            # (the autoscaler's decisions, charted on the deployment's dashboard).
             gateway_sample = {"t": round(at, 3), "requests_per_s": gate.get("requests_per_s"),
                               "error_rate": gate.get("error_rate"),
-                              "in_flight": in_flight.get(name)}
+                              "in_flight": in_flight.get(name), "desired": counts["desired"],
+                              "ready": counts["ready"], "standby": counts["standby"]}
             store.gateway_series(name).append(gateway_sample)
-            counts = deployments.get(name, {"desired": 0, "ready": 0, "standby": 0})
             window = window_figures([store.replicas[r["name"]] for r in replicas
                                      if r["role"] != "standby"])
             waiting = total(s.get("waiting") for s in samples)

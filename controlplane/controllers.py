@@ -64,10 +64,45 @@ async def _run(stop: asyncio.Event) -> None:
     interval = settings.RECONCILE_INTERVAL_SECONDS
     logger.info("controllers running (reconcile every %.1f s)", interval)
     collector = asyncio.get_running_loop().create_task(run_collector(stop))
+    autoscaler = asyncio.get_running_loop().create_task(run_autoscaler(stop))
     try:
         await _reconcile_loop(reconciler, stop, interval)
     finally:
-        await asyncio.gather(collector, return_exceptions=True)
+        await asyncio.gather(collector, autoscaler, return_exceptions=True)
+
+
+async def run_autoscaler(stop: asyncio.Event) -> None:
+    """A decision every SCRAPE_INTERVAL, after the collector's pass has new figures."""
+    from controlplane.autoscaler import Autoscaler
+
+    autoscaler = Autoscaler()
+
+    def one_pass() -> bool:
+        close_old_connections()
+        try:
+            return any(d.changes for _, d in autoscaler.run_once())
+        finally:
+            close_old_connections()
+
+    from serving.demand import demand
+
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        # Every interval, or at once when a request starts waiting for a deployment at zero.
+        deadline = loop.time() + settings.SCRAPE_INTERVAL
+        while not stop.is_set() and not demand.arrived.is_set() and loop.time() < deadline:
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.05)
+            except TimeoutError:
+                pass
+        if stop.is_set():
+            break
+        demand.arrived.clear()
+        try:
+            if await asyncio.to_thread(one_pass):
+                request_reconcile()
+        except Exception:
+            logger.exception("autoscaler pass failed")
 
 
 async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval: float) -> None:

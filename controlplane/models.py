@@ -43,6 +43,9 @@ class Deployment(models.Model):
     min_replicas = models.PositiveIntegerField(default=0)
     max_replicas = models.PositiveIntegerField(default=4)
     standby = models.PositiveIntegerField(default=0)
+    # The autoscaling policy (controlplane/autoscaler.py, Policy.as_dict()); null: the
+    # replica count is set by hand only.
+    autoscaling = models.JSONField(null=True, blank=True)
     # How the gateway spreads requests among ready replicas (serving/router.py).
     routing_policy = models.CharField(max_length=20, default="least-load", choices=[
         ("least-load", "Least load"), ("round-robin", "Round robin"),
@@ -74,8 +77,9 @@ class Deployment(models.Model):
         return self.replicas
 
     def desired_standby(self) -> int:
-        """Warm standby replicas wanted: none while scaled to zero, stopped or deleting."""
-        return self.standby if self.desired_replicas() else 0
+        """Warm standby replicas wanted: kept while scaled to zero (a request for it is
+        then served at once), none while stopped or being deleted."""
+        return self.standby if self.state == self.State.RUNNING and not self.deleting else 0
 
     def served_model_name(self) -> str:
         return str(self.engine_args.get("served_model_name") or self.name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -177,6 +178,7 @@ class Reconciler:
                                                        Replica.Phase.STOPPED)]
         if backend.creates_replicas:
             changed |= self.scale(deployment, live)
+            changed |= self.assign_roles(deployment, live, load=backend.in_flight)
         else:
             changed |= self.track_endpoint(deployment, live)
         changed |= self.remove_stopped(deployment, replicas)
@@ -347,11 +349,13 @@ class Reconciler:
                 deployment.delete()
                 return True
             return self.write_status(deployment, replicas, problems) or changed
-        if backend.scales_itself():
-            changed |= self.promote(deployment, backend, replicas, members, everyone=True)
-        else:
+        if not backend.scales_itself():
             changed |= self.mark_victims(deployment, backend, replicas, members)
-            changed |= self.promote(deployment, backend, replicas, members)
+        changed |= self.assign_roles(
+            deployment, [r for r in replicas if r.pod_name in members], load=backend.in_flight,
+            relabel=lambda replica, role: backend.set_role(deployment, replica, role),
+            leaving=frozenset(n for n, m in members.items() if m.removal_marked),
+            everyone=backend.scales_itself())
         changed |= self.apply_spec(deployment, backend, problems)
         problems += [f"{r.name}: {r.last_error}" for r in replicas
                      if r.phase != Replica.Phase.FAILED and r.last_error]
@@ -457,15 +461,18 @@ class Reconciler:
             changed = True
         return changed
 
-    def promote(self, deployment: Deployment, backend: PodSetBackend,
-                replicas: list[Replica], members: dict[str, Member], *,
-                everyone: bool = False) -> bool:
-        """Ready, warmed members of the current generation take traffic up to the desired
-        active count (a label change, no restart); the rest stay warm standby. Members
-        chosen to go do not count."""
+    def assign_roles(self, deployment: Deployment, replicas: list[Replica], *,
+                     load: Callable[[Replica], int | None],
+                     relabel: Callable[[Replica, str], None] | None = None,
+                     leaving: frozenset[str] = frozenset(), everyone: bool = False) -> bool:
+        """Ready replicas of the current generation take traffic up to the desired active
+        count; the rest are warm standby (outside the route table). A standby is promoted
+        at once when the count rises (no restart: on Kubernetes a label, `relabel`); on a
+        scale-down the least loaded active ones (among equals the newest, whose caches are
+        coldest) move to the standby pool. Replicas in `leaving` (chosen to go) do not
+        count."""
         staying = [r for r in replicas if r.phase == Replica.Phase.READY
-                   and r.generation == deployment.generation and r.pod_name in members
-                   and not members[r.pod_name].removal_marked]
+                   and r.generation == deployment.generation and r.name not in leaving]
         active = [r for r in staying if r.role == Replica.Role.ACTIVE]
         standby = [r for r in staying if r.role == Replica.Role.STANDBY]
         wanted = len(staying) if everyone else deployment.desired_replicas()
@@ -473,19 +480,18 @@ class Reconciler:
         if len(active) < wanted:
             moves = [(r, Replica.Role.ACTIVE) for r in standby[:wanted - len(active)]]
         elif len(active) > wanted:
-            # The least loaded go to the pool; among equals the newest (the others' prefix
-            # caches are warm).
-            loads = {r.pk: backend.in_flight(r) or 0 for r in active}
+            loads = {r.pk: load(r) or 0 for r in active}
             extra = sorted(active, key=lambda r: (loads[r.pk], -(
                 r.ready_at.timestamp() if r.ready_at else 0.0)))[:len(active) - wanted]
             moves = [(r, Replica.Role.STANDBY) for r in extra]
         changed = False
         for replica, role in moves:
-            try:
-                backend.set_role(deployment, replica, role)
-            except BackendError as exc:
-                logger.warning("relabelling %s failed: %s", replica.name, exc)
-                continue
+            if relabel is not None:
+                try:
+                    relabel(replica, role)
+                except BackendError as exc:
+                    logger.warning("relabelling %s failed: %s", replica.name, exc)
+                    continue
             self.save(replica, role=role)
             event(deployment, "replica-promoted" if role == Replica.Role.ACTIVE else
                   "replica-standby", f"{replica.name} " + (
@@ -526,7 +532,7 @@ class Reconciler:
     def scale(self, deployment: Deployment, live: list[Replica]) -> bool:
         """Reach the desired count; roll out a new generation one surge replica at a time,
         never dropping below the desired number of ready replicas while it lasts."""
-        wanted = deployment.desired_replicas()
+        wanted = deployment.desired_replicas() + deployment.desired_standby()
         current = [r for r in live if r.generation == deployment.generation]
         outdated = [r for r in live if r.generation != deployment.generation]
         changed = False
@@ -646,10 +652,11 @@ def replica_backend(deployment: Deployment) -> ReplicaBackend:
     return cast(ReplicaBackend, backend_for(deployment.backend))
 
 
-def victim_order(replica: Replica) -> tuple[int, float]:
+def victim_order(replica: Replica) -> tuple[int, int, float]:
+    """Who goes first: replicas not serving, then warm standby ones, then the newest."""
     serving = replica.phase == Replica.Phase.READY
     created = replica.created_at.timestamp() if replica.created_at else 0.0
-    return (1 if serving else 0, -created)
+    return (1 if serving else 0, 1 if replica.role == Replica.Role.ACTIVE else 0, -created)
 
 
 def condition(kind: str, status: bool, message: str) -> dict[str, str]:

@@ -26,7 +26,9 @@ def current_pools() -> list[Pool]:
                           policy=deployment.routing_policy,
                           max_model_len=deployment.engine_args.get("max_model_len")
                           or deployment.model.context_length,
-                          replicas=ready, names=names))
+                          replicas=ready, names=names,
+                          wakes=deployment.state == Deployment.State.RUNNING and bool(
+                              (deployment.autoscaling or {}).get("enabled"))))
     return pools
 
 

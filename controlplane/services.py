@@ -58,7 +58,8 @@ def spec_of(deployment: Deployment) -> dict[str, Any]:
     return {"model": deployment.model.name, "backend": deployment.backend.name,
             "engine_args": deployment.engine_args, "replicas": deployment.replicas,
             "min_replicas": deployment.min_replicas, "max_replicas": deployment.max_replicas,
-            "standby": deployment.standby, "state": deployment.state}
+            "standby": deployment.standby, "state": deployment.state,
+            "autoscaling": deployment.autoscaling}
 
 
 @transaction.atomic
@@ -106,6 +107,23 @@ class DeploymentSpec:
     standby: int = 0
     routing_policy: str = "least-load"
     aliases: list[str] = field(default_factory=list)
+    autoscaling: dict[str, Any] | None = None
+
+
+def check_autoscaling(raw: Any, min_replicas: int, max_replicas: int
+                      ) -> dict[str, Any] | None:
+    """The policy in its stored form, or None; raises DeploymentError naming the field."""
+    from controlplane.autoscaler import Policy, PolicyError
+
+    if raw is None:
+        return None
+    try:
+        return Policy.from_dict(raw, min_replicas=min_replicas,
+                                max_replicas=max_replicas).as_dict()
+    except PolicyError as exc:
+        field_name = exc.field if exc.field.startswith("autoscaling") or exc.field in (
+            "min_replicas", "max_replicas") else f"autoscaling.{exc.field}"
+        raise DeploymentError(field_name, exc.message) from None
 
 
 def check_names(name: str, served: str, aliases: list[str], exclude: int | None = None) -> None:
@@ -130,11 +148,12 @@ def create_deployment(spec: DeploymentSpec, *, actor: str) -> Deployment:
     check_model(spec.model, engine_args, spec.backend)
     check_counts(spec.replicas, spec.min_replicas, spec.max_replicas)
     check_names(spec.name, str(engine_args.get("served_model_name") or spec.name), spec.aliases)
+    autoscaling = check_autoscaling(spec.autoscaling, spec.min_replicas, spec.max_replicas)
     deployment = Deployment.objects.create(
         name=spec.name, model=spec.model, backend=spec.backend, engine_args=engine_args,
         replicas=spec.replicas, min_replicas=spec.min_replicas,
         max_replicas=spec.max_replicas, standby=spec.standby,
-        routing_policy=spec.routing_policy, aliases=spec.aliases,
+        routing_policy=spec.routing_policy, aliases=spec.aliases, autoscaling=autoscaling,
     )
     audit(actor, "deployment-created", deployment, f"deployment {spec.name} created",
           after=spec_of(deployment))
@@ -156,9 +175,12 @@ def update_deployment(deployment: Deployment, changes: dict[str, Any], *,
     if "model" in changes and changes["model"] != deployment.model:
         deployment.model, rollout = changes["model"], True
     for name in ("replicas", "min_replicas", "max_replicas", "standby", "routing_policy",
-                 "aliases"):
+                 "aliases", "autoscaling"):
         if name in changes:
             setattr(deployment, name, changes[name])
+    deployment.autoscaling = check_autoscaling(deployment.autoscaling,
+                                               deployment.min_replicas,
+                                               deployment.max_replicas)
     check_model(deployment.model, deployment.engine_args, deployment.backend)
     check_names(deployment.name, deployment.served_model_name(), deployment.aliases,
                 exclude=deployment.pk)

@@ -203,6 +203,9 @@ LOCAL_KV_CACHE_GIB = env_int("LOCAL_KV_CACHE_GIB", 1, minimum=1)
 # The OpenAI-compatible gateway (/v1/*).
 GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)
 GATEWAY_LOAD_SCRAPE_SECONDS = env_float("GATEWAY_LOAD_SCRAPE_SECONDS", 1.0, minimum=0.1)
+# How long a request for a deployment scaled to zero waits for a replica to come up.
+GATEWAY_COLD_START_WAIT_SECONDS = env_float("GATEWAY_COLD_START_WAIT_SECONDS", 180.0,
+                                            minimum=0.0)
 KEY_CACHE_SECONDS = env_float("KEY_CACHE_SECONDS", 60.0, minimum=0.0)
 USAGE_FLUSH_SECONDS = env_float("USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
 

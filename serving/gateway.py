@@ -261,6 +261,8 @@ class Gateway:
         """Send the request to a replica the router picks, retrying on another one when it
         fails before answering; the chosen replica's in-flight count includes it."""
         client = self.http()
+        if not pool.replicas and pool.wakes:
+            pool = await self.wait_for_capacity(pool, model)
         tried: list[str] = []
         upstream_headers = (("Content-Type", "application/json"), ("X-Request-Id", request_id))
         response: Response | None = None
@@ -305,6 +307,42 @@ class Gateway:
             raise GatewayError(503, message, kind="service_unavailable", code="no_replica",
                                headers=[(b"retry-after", b"2")])
         return replica, response
+
+    async def wait_for_capacity(self, pool: Pool, model: str) -> Pool:
+        """A deployment scaled to zero: wait (up to GATEWAY_COLD_START_WAIT_SECONDS) while
+        the autoscaler, told by the demand count, brings a replica up."""
+        from serving.demand import demand
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settings.GATEWAY_COLD_START_WAIT_SECONDS
+        connection: Any = None
+        published = 0.0
+        demand.add(pool.deployment, 1)
+        try:
+            while True:
+                current = routes.table.pool_for(model) or pool
+                if current.replicas or not current.wakes:
+                    return current
+                now = loop.time()
+                if now >= deadline:
+                    raise GatewayError(
+                        503, f"no replica of `{model}` came up within "
+                             f"{settings.GATEWAY_COLD_START_WAIT_SECONDS:g} s",
+                        kind="service_unavailable", code="no_replica",
+                        headers=[(b"retry-after", b"10")])
+                if settings.REDIS_URL and now - published >= 1.0:
+                    if connection is None:
+                        import redis.asyncio as redis
+
+                        connection = redis.Redis.from_url(str(settings.REDIS_URL))
+                    await demand.publish(connection, pool.deployment)
+                    published = now
+                await asyncio.sleep(0.05)
+        finally:
+            demand.add(pool.deployment, -1)
+            if connection is not None:
+                await demand.publish(connection, pool.deployment)
+                await connection.aclose()
 
     async def relay(self, send: Send, receive: Receive, key: KeyInfo, pool: Pool, model: str,
                     path: str, raw: bytes, stream: bool, wants_usage: bool,

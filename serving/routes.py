@@ -35,6 +35,9 @@ class Pool:
     replicas: tuple[RouteReplica, ...]
     #: Every model name a client may use for this deployment.
     names: tuple[str, ...] = ()
+    #: The autoscaler brings a replica up for a request that finds none (scale from zero):
+    #: such a request waits at the gateway (serving/demand.py) instead of failing.
+    wakes: bool = False
 
 
 @dataclass
@@ -58,7 +61,7 @@ def pool_from_dict(raw: dict[str, Any]) -> Pool:
     return Pool(deployment=raw["deployment"], served_model_name=raw["served_model_name"],
                 policy=raw.get("policy", "least-load"), max_model_len=raw.get("max_model_len"),
                 replicas=tuple(RouteReplica(**r) for r in raw.get("replicas", [])),
-                names=tuple(raw.get("names", ())))
+                names=tuple(raw.get("names", ())), wakes=bool(raw.get("wakes", False)))
 
 
 def build_table(pools: list[Pool]) -> RouteTable:

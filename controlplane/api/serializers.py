@@ -64,13 +64,17 @@ class DeploymentSerializer(serializers.ModelSerializer):
                                                       "prefix"], default="least-load")
     aliases = serializers.ListField(child=serializers.RegexField(
         SERVED_NAME), max_length=16, default=list)
+    autoscaling = serializers.JSONField(
+        required=False, allow_null=True, default=None,
+        help_text="an autoscaling policy (docs/autoscaling.md); null: scaled by hand")
     ready_replicas = serializers.SerializerMethodField()
     replica_list = ReplicaSerializer(source="replica_set", many=True, read_only=True)
 
     class Meta:
         model = Deployment
         fields = ["name", "model", "backend", "engine_args", "replicas", "min_replicas",
-                  "max_replicas", "standby", "routing_policy", "aliases", "state",
+                  "max_replicas", "standby", "routing_policy", "aliases", "autoscaling",
+                  "state",
                   "generation", "observed_generation", "conditions", "ready_replicas",
                   "deleting", "replica_list", "created_at", "updated_at"]
         read_only_fields = ["state", "generation", "observed_generation", "conditions",

@@ -260,8 +260,8 @@ def render(deployment: Deployment, config: KubernetesConfig, scaling: str = "",
     scaling = scaling or config.scaling
     if scaling not in SCALING:
         raise BackendConfigError("scaling", f"one of {', '.join(SCALING)}")
-    if not deployment.desired_replicas():
-        scaling = "controlplane"  # stopped or deleting: no autoscaler, no pods
+    if not deployment.desired_replicas() + deployment.desired_standby():
+        scaling = "controlplane"  # stopped, deleting or at zero: no autoscaler, no pods
     selector = owner_labels(deployment)
     spec: dict[str, Any] = {}
     if scaling == "controlplane":

@@ -14,6 +14,9 @@
     ["itl", "Inter-token latency", "ms", [["itl_p50", "p50", 1000], ["itl_p95", "p95", 1000]]],
     ["tps", "Tokens per second", "tok/s", [["gen_tps", "generated", 1], ["prompt_tps", "prompt", 1]]],
     ["accel", "Accelerator", "%", [["gpu_util", "GPU", 1], ["cpu_percent", "CPU", 1]]],
+    // The deployment's own series (not per replica): what the autoscaler decided and got.
+    ["scale", "Replicas and gateway queue", "", [["desired", "desired", 1], ["ready", "ready", 1],
+      ["standby", "standby", 1], ["in_flight", "in flight at the gateway", 1]], "deployment"],
   ];
   const COLORS = ["#2563eb", "#dc6803", "#067647", "#7a5af8", "#c11574", "#0e9384", "#b42318", "#475467"];
   const times = [];            // pass timestamps (seconds), oldest first
@@ -27,27 +30,40 @@
     const oldest = times[times.length - 1] - keep;
     while (times.length && times[0] < oldest) times.shift();
   }
+  // One line of a chart: `at(t)` gives the sample at time t; null where there is none.
+  function column(at, field, scale) {
+    let seen = false;
+    const values = times.map((t) => {
+      const s = at(t);
+      const v = s ? s[field] : null;
+      if (v === null || v === undefined) return null;
+      seen = true;
+      return v * scale;
+    });
+    return seen ? values : null;
+  }
+  function deploymentSeries(fields) {
+    const out = [];
+    for (const [field, label, scale] of fields) {
+      const values = column((t) => gateway.get(t), field, scale);
+      if (values) out.push({ label, values });
+    }
+    return out;
+  }
   function seriesFor(fields) {
     const out = [];
     for (const replica of [...replicas.keys()].sort()) {
       const samples = replicas.get(replica);
       for (const [field, suffix, scale] of fields) {
-        let seen = false;
-        const values = times.map((t) => {
-          const s = samples.get(t);
-          const v = s ? s[field] : null;
-          if (v === null || v === undefined) return null;
-          seen = true;
-          return v * scale;
-        });
-        if (seen) out.push({ label: suffix ? `${replica} ${suffix}` : replica, values });
+        const values = column((t) => samples.get(t), field, scale);
+        if (values) out.push({ label: suffix ? `${replica} ${suffix}` : replica, values });
       }
     }
     return out;
   }
   function draw() {
-    for (const [id, title, unit, fields] of CHARTS) {
-      const series = seriesFor(fields);
+    for (const [id, title, unit, fields, source] of CHARTS) {
+      const series = source === "deployment" ? deploymentSeries(fields) : seriesFor(fields);
       const signature = series.map((s) => s.label).join("|");
       let chart = charts.get(id);
       const data = [times.slice(), ...series.map((s) => s.values)];

@@ -5,6 +5,7 @@ collector reads from fake or real engines); replicas follow each decision at onc
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -23,7 +24,7 @@ def policy(**raw: Any) -> Policy:
 
 
 def run(chosen: Policy, start: int, seconds: float,
-        load: Callable[[float, int], dict[str, Any]], moment: datetime = NOON
+        load: Callable[[float, int], dict[str, Any] | None], moment: datetime = NOON
         ) -> list[tuple[float, int, str]]:
     """Decide every INTERVAL for `seconds`; `load(t, active)` gives the figures' fields.
     Returns (time, count after the decision, reason) per decision."""
@@ -56,7 +57,7 @@ def test_a_spike_scales_up_at_the_next_decision() -> None:
                                                "running": 4.0 * n})
     before = [c for t, c, _ in history if t < 10]
     assert set(before) == {1}
-    [(t, count, reason)] = [h for h in history if h[0] == 10]
+    [(_t, count, reason)] = [h for h in history if h[0] == 10]
     assert count == 4  # ceil(20 / 2) = 10, bounded by max 4, within one interval
     assert "waiting_per_replica 20.0 against a target of 2" in reason
 
@@ -77,7 +78,7 @@ def test_flapping_load_does_not_flap_the_count() -> None:
     history = run(chosen, 1, 200, lambda t, n: {
         "waiting": 8.0 if int(t / INTERVAL) % 2 else 0.0, "running": 4.0 * n})
     seen = counts(history)
-    changes = sum(1 for a, b in zip(seen, seen[1:], strict=False) if a != b)
+    changes = sum(1 for a, b in itertools.pairwise(seen) if a != b)
     assert changes == 1 and seen[-1] == 4  # up once, then held through the dips
 
 
@@ -88,7 +89,7 @@ def test_load_gone_scales_down_after_the_window_by_steps() -> None:
     first_down = next(t for t, c, _ in history if c < 4)
     assert first_down >= 30  # not before the scale-down window has only low proposals
     seen = counts(history)
-    assert all(a - b <= 1 for a, b in zip(seen, seen[1:], strict=False))  # one at a time
+    assert all(a - b <= 1 for a, b in itertools.pairwise(seen))  # one at a time
     assert seen[-1] == 1  # down to the minimum, not below
 
 
@@ -136,7 +137,7 @@ def test_cooldown_spaces_changes() -> None:
     history = run(chosen, 1, 40, lambda t, n: {"waiting": 50.0, "running": 4.0 * n})
     changes = [t for (t, c, _), (_, before, _) in zip(history[1:], history, strict=False)
                if c != before]
-    assert all(b - a >= 10 for a, b in zip(changes, changes[1:], strict=False))
+    assert all(b - a >= 10 for a, b in itertools.pairwise(changes))
     assert counts(history)[-1] == 6  # one step at 0, 10, 20, 30 and 40 s, from 1
 
 

@@ -1,0 +1,182 @@
+"""Autoscaling with and without a warm standby, on the local backend with real vLLM CPU
+replicas of the demo model (min 1, max 2): a step from nothing to 32 concurrent streams.
+
+For each case (standby 1, then standby 0) the control plane runs as `manage.py serve`
+(reconciler, collector every 2 s, autoscaler, gateway); the policy scales on the gateway's
+requests in flight per replica (target 8: 32 streams ask for 4, bounded to 2). Measured:
+the time from the step to the scale-up decision (the `autoscaled` event), from the
+decision to the second replica serving (its own request counter moving), and the TTFT
+p95 of the streams during the step.
+
+    .venv/bin/python bench/autoscale.py [--streams 32] [--only standby|cold]
+
+Targets: the decision within 2 scrape intervals (4 s); with a standby, serving under 1 s
+after the decision. The last line prints the standby case's decision-to-serving time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.gateway_overhead import Product  # noqa: E402
+from tests.product import end_replicas, manage, stop_server  # noqa: E402
+
+SCRAPE = 2.0
+POLICY = {"signals": [{"name": "queue_per_replica", "target": 8}],
+          "scale_down_window_seconds": 600, "cooldown_seconds": 0}
+
+
+def api_get(product: Product, path: str, **params: Any) -> Any:
+    response = httpx.get(product.url + path, params=params, timeout=30,
+                         headers={"Authorization": f"Bearer {product.admin}"})
+    response.raise_for_status()
+    return response.json()
+
+
+def wait(what: str, check: Any, timeout: float, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def replicas(product: Product, name: str) -> list[dict[str, Any]]:
+    return list(api_get(product, f"/api/v1/deployments/{name}/")["replica_list"])
+
+
+def served(endpoint: str) -> float:
+    """The replica's finished plus running requests (it serves once this moves)."""
+    text = httpx.get(f"{endpoint}/metrics", timeout=2).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("vllm:request_success_total", "vllm:num_requests_running")):
+            total += float(line.rsplit(" ", 1)[-1])
+    return total
+
+
+async def load(url: str, key: str, model: str, streams: int, seconds: float,
+               ttfts: list[float]) -> None:
+    body = {"model": model, "stream": True, "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a short poem about the sea."}]}
+    deadline = time.monotonic() + seconds
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            first = None
+            try:
+                async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                                         headers={"Authorization": f"Bearer {key}"}) as reply:
+                    async for line in reply.aiter_lines():
+                        if first is None and line.startswith("data: {"):
+                            first = time.monotonic() - started
+            except httpx.HTTPError:
+                continue
+            if first is not None:
+                ttfts.append(first)
+
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(
+            max_connections=streams + 4)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(streams)))
+
+
+def case(product: Product, name: str, standby: int, streams: int) -> dict[str, float]:
+    response = httpx.post(product.url + "/api/v1/deployments/", timeout=30, headers={
+        "Authorization": f"Bearer {product.admin}"}, json={
+        "name": name, "model": "smollm2", "replicas": 1, "min_replicas": 1,
+        "max_replicas": 2, "standby": standby, "autoscaling": POLICY,
+        "engine_args": {"max_model_len": 1024, "extra_args": ["--enforce-eager"]}})
+    if response.status_code != 201:
+        raise SystemExit(f"creating {name}: {response.text}")
+    wait(f"{name} ready ({1 + standby} replicas)", lambda: sum(
+        1 for r in replicas(product, name) if r["phase"] == "ready") == 1 + standby, 900, 2)
+    time.sleep(3 * SCRAPE)  # the collector has figures for the idle deployment
+    before = {r["name"] for r in replicas(product, name) if r["role"] == "active"}
+    ttfts: list[float] = []
+    seconds = 60.0 if standby else 240.0
+    step = time.time()
+    print(f"{name}: {streams} streams from {datetime.fromtimestamp(step):%H:%M:%S}")
+    outcome: dict[str, float] = {}
+
+    def watch() -> None:
+        def decision() -> dict[str, Any] | None:
+            events = api_get(product, "/api/v1/events/", deployment=name)
+            return next((e for e in events.get("results", events) if e["action"] ==
+                         "autoscaled" and (e.get("after") or {}).get("result") == 2), None)
+
+        event = wait("the scale-up decision", decision, 60, 0.2)
+        decided = datetime.fromisoformat(event["at"]).timestamp()
+        outcome["decision_s"] = decided - step
+
+        def newcomer() -> dict[str, Any] | None:
+            return next((r for r in replicas(product, name) if r["role"] == "active"
+                         and r["phase"] == "ready" and r["name"] not in before), None)
+
+        replica = wait("a second active replica", newcomer, 600, 0.05)
+        start = served(replica["endpoint"])
+        wait("the second replica serving", lambda: served(replica["endpoint"]) > start,
+             120, 0.05)
+        outcome["serving_s"] = time.time() - decided
+
+    async def both() -> None:
+        await asyncio.gather(load(product.url, product.key, name, streams, seconds, ttfts),
+                             asyncio.to_thread(watch))
+
+    asyncio.run(both())
+    ttfts.sort()
+    outcome["ttft_p95_s"] = ttfts[int(0.95 * (len(ttfts) - 1))] if ttfts else float("nan")
+    outcome["ttft_p50_s"] = statistics.median(ttfts) if ttfts else float("nan")
+    outcome["requests"] = len(ttfts)
+    httpx.post(product.url + f"/api/v1/deployments/{name}/stop/", timeout=30,
+               headers={"Authorization": f"Bearer {product.admin}"})
+    wait(f"{name} stopped", lambda: not replicas(product, name), 120, 1)
+    return outcome
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--only", choices=("standby", "cold"), default="")
+    options = parser.parse_args()
+    product = Product(SCRAPE_INTERVAL=str(SCRAPE), RECONCILE_INTERVAL_SECONDS="0.5",
+                      HEALTH_CHECK_SECONDS="2", LOCAL_KV_CACHE_GIB="1")
+    try:
+        print("importing the demo model ...")
+        manage(product.env, "import_demo_model")
+        results = {}
+        if options.only != "cold":
+            results["standby"] = case(product, "warm", 1, options.streams)
+            print(f"with a standby: {results['standby']}")
+        if options.only != "standby":
+            results["cold"] = case(product, "cold", 0, options.streams)
+            print(f"without a standby: {results['cold']}")
+        for label, figures in results.items():
+            print(f"{label}: step -> decision {figures['decision_s']:.2f} s, decision -> "
+                  f"serving {figures['serving_s']:.2f} s, TTFT p50 "
+                  f"{figures['ttft_p50_s']:.2f} s, p95 {figures['ttft_p95_s']:.2f} s "
+                  f"({figures['requests']:.0f} requests)")
+        if "standby" in results:
+            print(f"scale-up with a warm standby: decision -> serving "
+                  f"{results['standby']['serving_s']:.2f} s")
+    finally:
+        stop_server(product.process)
+        end_replicas(product.env["DATA_DIR"])
+
+
+if __name__ == "__main__":
+    main()

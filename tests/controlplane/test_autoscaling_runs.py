@@ -1,0 +1,105 @@
+"""The autoscaler applied: policies through the REST API (refused with the field named,
+stored in their checked form), and passes that read the collector's figures, change the
+replica count and record events carrying their inputs; a stale collector holds, once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from rest_framework.test import APIClient
+
+from controlplane import collector as collector_module
+from controlplane.autoscaler import Autoscaler
+from controlplane.collector import MetricsStore
+from controlplane.models import AuditEvent, Deployment
+from tests.factories import make_deployment, make_model
+
+pytestmark = pytest.mark.django_db
+URL = "/api/v1/deployments/"
+POLICY = {"signals": [{"name": "waiting_per_replica", "target": 2}],
+          "scale_down_window_seconds": 60, "cooldown_seconds": 0}
+
+
+@pytest.fixture
+def store() -> Iterator[MetricsStore]:
+    """Stands in for the collector of this process: its store, filled by the test."""
+    store = MetricsStore(2.0)
+    collector_module.collector = SimpleNamespace(store=store)  # type: ignore[assignment]
+    yield store
+    collector_module.collector = None
+
+
+def summary(name: str, **figures: Any) -> dict[str, Any]:
+    return {"name": name, "ready": 1, "desired": 1, "standby": 0, "waiting": 0.0,
+            "running": 0.0, "kv_cache": 0.1, "tokens_per_s": 0.0, "requests_per_s": 0.0,
+            "scrape_failures": 0, **figures}
+
+
+@pytest.mark.parametrize(("policy", "bounds", "field"), [
+    (POLICY, (3, 2), "min_replicas"),
+    ({"signals": [{"name": "vibes", "target": 1}]}, (1, 2), "autoscaling.signals[0]"),
+    ({"signals": [{"name": "kv_cache", "target": 0}]}, (1, 2), "autoscaling.signals[0]"),
+    ({"max_step": -1}, (1, 2), "autoscaling.max_step"),
+    ("fast please", (1, 2), "autoscaling"),
+])
+def test_bad_policies_are_refused_by_the_api(admin_client: APIClient, policy: Any,
+                                             bounds: tuple[int, int], field: str) -> None:
+    make_model("smollm2")
+    response = admin_client.post(URL, {
+        "name": "chat", "model": "smollm2", "replicas": 1, "min_replicas": bounds[0],
+        "max_replicas": bounds[1], "autoscaling": policy}, format="json")
+    assert response.status_code == 400, response.json()
+    assert field in response.json(), response.json()
+    assert not Deployment.objects.exists()
+
+
+def test_a_policy_is_stored_checked_and_can_be_removed(admin_client: APIClient) -> None:
+    make_model("smollm2")
+    response = admin_client.post(URL, {
+        "name": "chat", "model": "smollm2", "replicas": 1, "min_replicas": 1,
+        "max_replicas": 4, "autoscaling": POLICY}, format="json")
+    assert response.status_code == 201, response.json()
+    stored = response.json()["autoscaling"]
+    assert stored["signals"] == [{"name": "waiting_per_replica", "target": 2.0}]
+    assert stored["max_step"] == 4 and stored["enabled"] is True  # defaults filled in
+    response = admin_client.patch(f"{URL}chat/", {"autoscaling": None}, format="json")
+    assert response.status_code == 200 and response.json()["autoscaling"] is None
+
+
+def test_a_pass_scales_and_records_its_inputs(store: MetricsStore) -> None:
+    deployment = make_deployment("chat", model=make_model("llama"), replicas=1,
+                                 min_replicas=1, max_replicas=4, autoscaling=POLICY)
+    other = make_deployment("manual", model=deployment.model, backend=deployment.backend,
+                            replicas=2)
+    now = time.time()
+    store.fleet = {"t": now, "deployments": [summary("chat", waiting=7.0),
+                                            summary("manual", waiting=50.0)]}
+    [(name, decision)] = Autoscaler().run_once(now=now)
+    assert (name, decision.desired) == ("chat", 4)
+    deployment.refresh_from_db()
+    other.refresh_from_db()
+    assert deployment.replicas == 4 and other.replicas == 2  # no policy: left alone
+    event = AuditEvent.objects.get(action="autoscaled")
+    assert event.actor == "autoscaler" and event.message.startswith("1 -> 4 replicas")
+    assert event.after is not None
+    assert event.after["signals"]["waiting_per_replica"] == {
+        "value": 7.0, "target": 2.0, "proposes": 4}
+
+
+def test_a_stale_collector_holds_and_says_so_once(store: MetricsStore) -> None:
+    deployment = make_deployment("chat", model=make_model("llama"), replicas=3,
+                                 min_replicas=1, max_replicas=4, autoscaling=POLICY)
+    now = time.time()
+    store.fleet = {"t": now - 60, "deployments": [summary("chat", waiting=0.0)]}
+    autoscaler = Autoscaler()
+    for step in range(5):
+        [(_, decision)] = autoscaler.run_once(now=now + 2 * step)
+        assert decision.desired == 3
+    deployment.refresh_from_db()
+    assert deployment.replicas == 3
+    [held] = AuditEvent.objects.filter(action="autoscaler-holding")
+    assert "no recent metrics" in held.message
