@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gateway_overhead import Product  # noqa: E402
+from models_registry.demo import DEMO_MODEL_NAME  # noqa: E402
 from tests.product import end_replicas, manage, stop_server  # noqa: E402
 
 SCRAPE = 2.0
@@ -98,7 +99,7 @@ async def load(url: str, key: str, model: str, streams: int, seconds: float,
 def case(product: Product, name: str, standby: int, streams: int) -> dict[str, float]:
     response = httpx.post(product.url + "/api/v1/deployments/", timeout=30, headers={
         "Authorization": f"Bearer {product.admin}"}, json={
-        "name": name, "model": "smollm2", "replicas": 1, "min_replicas": 1,
+        "name": name, "model": DEMO_MODEL_NAME, "replicas": 1, "min_replicas": 1,
         "max_replicas": 2, "standby": standby, "autoscaling": POLICY,
         "engine_args": {"max_model_len": 1024, "extra_args": ["--enforce-eager"]}})
     if response.status_code != 201:

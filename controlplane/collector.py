@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import multiprocessing
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -642,6 +643,9 @@ class Collector:
         at = time.time()
         gateway = self.gateway_counters.read(at)
         in_flight: dict[str, float] = gateway.pop("_in_flight", {})  # type: ignore[assignment]
+        # With the gateway in this process (`manage.py serve`), a deployment it has no
+        # request for has 0 in flight; with the gateway elsewhere the figure is unknown.
+        idle_gateway = 0.0 if "serving.gateway" in sys.modules else None
         store = self.store
         per_deployment: dict[str, list[dict[str, Any]]] = {name: [] for name in deployments}
         latest_samples: dict[str, dict[str, Any]] = {}
@@ -670,7 +674,8 @@ class Collector:
             # (the autoscaler's decisions, charted on the deployment's dashboard).
             gateway_sample = {"t": round(at, 3), "requests_per_s": gate.get("requests_per_s"),
                               "error_rate": gate.get("error_rate"),
-                              "in_flight": in_flight.get(name), "desired": counts["desired"],
+                              "in_flight": in_flight.get(name, idle_gateway),
+                              "desired": counts["desired"],
                               "ready": counts["ready"], "standby": counts["standby"]}
             store.gateway_series(name).append(gateway_sample)
             window = window_figures([store.replicas[r["name"]] for r in replicas
@@ -682,6 +687,7 @@ class Collector:
                 "standby": counts["standby"],
                 "window_seconds": SUMMARY_SECONDS,
                 "requests_per_s": gate.get("window_requests_per_s"),
+                "in_flight": in_flight.get(name, idle_gateway),
                 "tokens_per_s": window["tokens_per_s"],
                 "waiting": waiting, "running": running,
                 "kv_cache": rounded(mean(s.get("kv_cache") for s in samples)),

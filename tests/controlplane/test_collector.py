@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 from channels.layers import get_channel_layer
 
+from controlplane.autoscaler import figures_from_summary
 from controlplane.collector import (
     FLEET_GROUP,
     Collector,
@@ -24,6 +26,7 @@ from controlplane.collector import (
     quantile,
 )
 from controlplane.models import Replica
+from serving import gateway as _gateway_in_this_process  # noqa: F401  (as in `serve`)
 from tests.engines import FakeEngine
 from tests.factories import make_backend, make_deployment
 
@@ -163,6 +166,11 @@ async def test_a_pass_scrapes_every_live_replica_and_pushes_updates(
     summary = orjson.loads(fleet["text"])["deployments"][0]
     assert summary["name"] == "demo" and summary["ready"] == 2 and summary["desired"] == 2
     assert summary["tokens_per_s"] > 0
+    # What the autoscaler reads (controlplane/autoscaler.py) is all there.
+    figures = figures_from_summary(summary, time.time(), demand=0, gpu=None)
+    assert figures.waiting is not None and figures.running is not None
+    assert figures.kv_cache is not None and figures.tokens_per_s is not None
+    assert figures.gateway_in_flight == 0  # the gateway is in this process, with nothing
     await layer.receive(demo_channel)
     update = orjson.loads((await layer.receive(demo_channel))["text"])
     assert update["type"] == "update" and update["deployment"] == "demo"
