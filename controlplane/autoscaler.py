@@ -425,6 +425,10 @@ class Autoscaler:
                           f"{deployment.replicas} -> {decision.desired} replicas: "
                           f"{decision.reason}", before={"replicas": deployment.replicas},
                           after=record)
+                if changed and decision.desired > decision.current:
+                    from controlplane.reconciler import promote_now
+
+                    promote_now(deployment.pk)  # a ready standby serves at once
                 memory.last_reason = ""
             elif decision.reason.startswith("holding") and decision.reason != \
                     memory.last_reason:

@@ -648,6 +648,38 @@ class Reconciler:
         return True
 
 
+def promote_now(deployment_pk: int) -> bool:
+    """Promote ready standby replicas up to the desired active count right away, outside
+    a reconcile pass (which may be busy probing loaded replicas), and hand the gateway the
+    new route table: the autoscaler calls this after a scale-up. Idempotent with the pass's
+    own role assignment, which reads deployment and replicas together."""
+    from controlplane.routing import publish_routes
+
+    deployment = Deployment.objects.select_related("backend").filter(
+        pk=deployment_pk).first()
+    if deployment is None or deployment.deleting:
+        return False
+    replicas = list(deployment.replica_set.all())
+    chosen = backend_for(deployment.backend)
+    relabel = None
+    if chosen.owns_pods:
+        pod_set = cast(PodSetBackend, chosen)
+        replicas = [r for r in replicas if r.pod_name]
+
+        def relabel(replica: Replica, role: str) -> None:
+            pod_set.set_role(deployment, replica, role)
+
+    staying = [r for r in replicas if r.phase == Replica.Phase.READY]
+    active = sum(1 for r in staying if r.role == Replica.Role.ACTIVE)
+    if active >= deployment.desired_replicas():
+        return False  # only promotions here; moves to the pool wait for a pass
+    changed = Reconciler().assign_roles(deployment, replicas, load=chosen.in_flight,
+                                        relabel=relabel)
+    if changed:
+        publish_routes()
+    return changed
+
+
 def replica_backend(deployment: Deployment) -> ReplicaBackend:
     return cast(ReplicaBackend, backend_for(deployment.backend))
 

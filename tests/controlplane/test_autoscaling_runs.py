@@ -103,3 +103,28 @@ def test_a_stale_collector_holds_and_says_so_once(store: MetricsStore) -> None:
     assert deployment.replicas == 3
     [held] = AuditEvent.objects.filter(action="autoscaler-holding")
     assert "no recent metrics" in held.message
+
+
+def test_a_scale_up_promotes_a_ready_standby_in_the_same_pass(store: MetricsStore) -> None:
+    from controlplane.models import Replica
+    from controlplane.routing import current_pools
+    from serving.routes import routes
+
+    deployment = make_deployment("chat", model=make_model("llama"), replicas=1, standby=1,
+                                 min_replicas=1, max_replicas=2, autoscaling=POLICY)
+    for name, role in (("chat-1", "active"), ("chat-2", "standby")):
+        Replica.objects.create(deployment=deployment, name=name, phase="ready", role=role,
+                               endpoint=f"http://127.0.0.1:9/{name}")
+    [pool] = current_pools()
+    assert [r.name for r in pool.replicas] == ["chat-1"]
+    now = time.time()
+    store.fleet = {"t": now, "deployments": [summary("chat", waiting=9.0)]}
+    [(_, decision)] = Autoscaler().run_once(now=now)
+    assert decision.desired == 2
+    # Not left for the next reconcile pass: the standby takes traffic now.
+    assert Replica.objects.get(name="chat-2").role == "active"
+    published = routes.table.pool_for("chat")  # what the gateway routes by
+    assert published is not None
+    assert sorted(r.name for r in published.replicas) == ["chat-1", "chat-2"]
+    actions = list(AuditEvent.objects.order_by("id").values_list("action", flat=True))
+    assert actions[-2:] == ["autoscaled", "replica-promoted"]
