@@ -74,13 +74,15 @@ def served(endpoint: str) -> float:
 
 
 async def load(url: str, key: str, model: str, streams: int, seconds: float,
-               ttfts: list[float]) -> None:
+               ttfts: list[float], done: threading.Event) -> None:
+    """Streams until `done` is set (the second replica serves, plus a while) or `seconds`
+    have passed."""
     body = {"model": model, "stream": True, "max_tokens": 24, "temperature": 0,
             "messages": [{"role": "user", "content": "Write a short poem about the sea."}]}
     deadline = time.monotonic() + seconds
 
     async def worker(client: httpx.AsyncClient) -> None:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not done.is_set():
             started = time.monotonic()
             first = None
             try:
@@ -115,7 +117,8 @@ def case(product: Product, name: str, standby: int, streams: int) -> dict[str, f
     # The standby's counter now (its warm-up request counted): serving is a rise above it.
     baseline = {r["name"]: served(r["endpoint"]) for r in initial if r["name"] not in before}
     ttfts: list[float] = []
-    seconds = 90.0 if standby else 240.0
+    seconds = 900.0  # at most; the streams go on until the second replica serves + 30 s
+    done = threading.Event()
     step = time.time()
     print(f"{name}: {streams} streams from {datetime.fromtimestamp(step):%H:%M:%S}")
     outcome: dict[str, float] = {}
@@ -131,6 +134,25 @@ def case(product: Product, name: str, standby: int, streams: int) -> dict[str, f
         outcome["decision_s"] = decided - step
         print(f"  decision {outcome['decision_s']:.2f} s after the step: {event['message']}")
 
+        # The streams are a closed loop: with 32 long streams on one CPU replica a new
+        # request comes only when an old one ends, and requests sent before the promotion
+        # queue behind them. So the moment the new replica is seen active, one short probe
+        # goes through the gateway (least-load routing sends it to the idle replica); the
+        # replica serves when its request counter moves.
+        promoted: dict[str, float] = {}
+        probes: list[threading.Thread] = []
+
+        def probe() -> None:
+            sent = time.time()
+            with contextlib.suppress(httpx.HTTPError):
+                reply = httpx.post(f"{product.url}/v1/chat/completions", timeout=300, json={
+                    "model": name, "max_tokens": 1, "messages": [
+                        {"role": "user", "content": "Hi"}]},
+                    headers={"Authorization": f"Bearer {product.key}"})
+                if reply.status_code == 200:
+                    outcome["probe_sent_after_decision_s"] = sent - decided
+                    outcome["probe_answered_s"] = time.time() - sent
+
         def second_serving() -> bool:
             for replica in replicas(product, name):
                 if replica["name"] in before or replica["phase"] != "ready":
@@ -138,40 +160,41 @@ def case(product: Product, name: str, standby: int, streams: int) -> dict[str, f
                 if replica["name"] not in baseline:  # a new one: count from its warm-up
                     baseline[replica["name"]] = served(replica["endpoint"])
                     continue
-                if replica["role"] == "active" and served(replica["endpoint"]) > \
-                        baseline[replica["name"]]:
+                if replica["role"] != "active":
+                    continue
+                if not promoted:
+                    promoted["seen"] = time.time()
+                    probes.append(threading.Thread(target=probe, daemon=True))
+                    probes[-1].start()
+                if served(replica["endpoint"]) > baseline[replica["name"]]:
                     return True
             return False
 
-        # The streams are a closed loop: with 32 long streams on one CPU replica a new
-        # request comes only when an old one ends. So short probe requests are sent
-        # through the gateway every 0.25 s from the decision on; least-load routing sends
-        # the first one after the promotion to the new, idle replica.
-        probing = threading.Event()
-
-        def probe() -> None:
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.post(f"{product.url}/v1/chat/completions", timeout=300, json={
-                    "model": name, "max_tokens": 1, "messages": [
-                        {"role": "user", "content": "Hi"}]},
-                    headers={"Authorization": f"Bearer {product.key}"})
-
-        def prober() -> None:
-            while not probing.is_set():
-                threading.Thread(target=probe, daemon=True).start()
-                probing.wait(0.25)
-
-        threading.Thread(target=prober, daemon=True).start()
-        try:
-            wait("the second replica serving", second_serving, 600, 0.05)
-        finally:
-            probing.set()
-        outcome["serving_s"] = time.time() - decided
+        wait("the second replica serving", second_serving, 900, 0.02)
+        served_at = time.time()
+        for thread in probes:
+            thread.join(60)
+        events = api_get(product, "/api/v1/events/", deployment=name)
+        promotion = next((e for e in events.get("results", events)
+                          if e["action"] in ("replica-promoted", "replica-ready")
+                          and e["replica_name"] not in before
+                          and datetime.fromisoformat(e["at"]).timestamp() >= decided - 1),
+                         None)
+        if promotion is not None:
+            at = datetime.fromisoformat(promotion["at"]).timestamp()
+            outcome["promotion_s"] = at - decided
+            outcome["promotion_to_served_s"] = served_at - at
+        outcome["serving_s"] = served_at - decided
+        time.sleep(30)  # the step goes on a little with both replicas serving
+        done.set()
         print(f"  second replica serving {outcome['serving_s']:.2f} s after the decision")
 
     async def both() -> None:
-        await asyncio.gather(load(product.url, product.key, name, streams, seconds, ttfts),
-                             asyncio.to_thread(watch))
+        try:
+            await asyncio.gather(load(product.url, product.key, name, streams, seconds,
+                                      ttfts, done), asyncio.to_thread(watch))
+        finally:
+            done.set()
 
     asyncio.run(both())
     ttfts.sort()
@@ -202,8 +225,15 @@ def main() -> None:
             results["cold"] = case(product, "cold", 0, options.streams)
             print(f"without a standby: {results['cold']}")
         for label, figures in results.items():
+            steps = (f", of which decision -> promoted/ready {figures['promotion_s']:.2f} s "
+                     f"and then -> serving {figures['promotion_to_served_s']:.2f} s"
+                     if "promotion_s" in figures else "")
+            if "probe_answered_s" in figures:
+                steps += (f"; a request sent {figures['probe_sent_after_decision_s']:.2f} s "
+                          f"after the decision was answered in "
+                          f"{figures['probe_answered_s']:.2f} s")
             print(f"{label}: step -> decision {figures['decision_s']:.2f} s, decision -> "
-                  f"serving {figures['serving_s']:.2f} s, TTFT p50 "
+                  f"serving {figures['serving_s']:.2f} s{steps}; streams' TTFT p50 "
                   f"{figures['ttft_p50_s']:.2f} s, p95 {figures['ttft_p95_s']:.2f} s "
                   f"({figures['requests']:.0f} requests)")
         if "standby" in results:
