@@ -363,7 +363,6 @@ def decision_record(decision: Decision) -> dict[str, Any]:
             "reason": decision.reason, **decision.inputs}
 
 
-
 class Autoscaler:
     """Decides for every running deployment with an enabled policy, from the collector in
     this process; applies changes to `Deployment.replicas` (the reconciler does the rest)
