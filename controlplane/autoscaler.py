@@ -197,7 +197,6 @@ class Figures:
     """What the metrics store says of one deployment at one moment."""
 
     at: float  # when the figures were taken (epoch seconds)
-    active: int  # ready, active replicas
     waiting: float | None = None
     running: float | None = None
     kv_cache: float | None = None
@@ -350,7 +349,7 @@ def figures_from_summary(summary: dict[str, Any], at: float, demand: int,
                          gpu: float | None) -> Figures:
     """The collector's per-deployment summary (controlplane/collector.py) as figures."""
     return Figures(
-        at=at, active=int(summary.get("ready") or 0), waiting=summary.get("waiting"),
+        at=at, waiting=summary.get("waiting"),
         running=summary.get("running"), kv_cache=summary.get("kv_cache"),
         tokens_per_s=summary.get("tokens_per_s"),
         gateway_in_flight=summary.get("in_flight"),
@@ -410,7 +409,7 @@ class Autoscaler:
                        if deployment.replicas == 0 else 0)
             figures = (figures_from_summary(summary, at, demand=waiting, gpu=gpu_of(
                 collector, deployment.name)) if summary is not None else
-                Figures(at=now, active=0, demand=waiting) if waiting else None)
+                Figures(at=now, demand=waiting) if waiting else None)
             decision = decide(policy, deployment.replicas, figures, memory, now, moment,
                               stale_seconds=3 * settings.SCRAPE_INTERVAL)
             decisions.append((deployment.name, decision))

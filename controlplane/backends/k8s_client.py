@@ -201,9 +201,6 @@ class Cluster:
             (pod.get("metadata", {}).get("labels") or {}).get(key) == value
             for key, value in labels.items())], version
 
-    def pods(self, labels: dict[str, str]) -> list[dict[str, Any]]:
-        return self.list_pods(labels)[0]
-
     def watch_pods(self, labels: dict[str, str], resource_version: str,
                    timeout_seconds: int) -> Watch:
         """Open a watch of pods from resource_version on; returns once the server has

@@ -32,8 +32,7 @@ def run(chosen: Policy, start: int, seconds: float,
     t = 0.0
     while t <= seconds:
         fields = load(t, current)
-        figures = None if fields is None else Figures(at=fields.pop("at", t), active=current,
-                                                     **fields)
+        figures = None if fields is None else Figures(at=fields.pop("at", t), **fields)
         decision = decide(chosen, current, figures, memory, t, moment,
                           stale_seconds=3 * INTERVAL)
         current = decision.desired

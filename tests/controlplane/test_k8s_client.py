@@ -76,7 +76,7 @@ def test_pods_are_read_as_plain_objects_and_marked_for_scale_down(
             "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]}})
         assert pod is not None
         core.create_namespaced_pod("inference", pod)
-    pods = cluster.pods(labels)
+    pods, _ = cluster.list_pods(labels)
     assert sorted(p["metadata"]["name"] for p in pods) == ["chat-a", "chat-b"]
     cluster.set_deletion_cost("chat-b", -100)
     stored = emulated.stored("v1/pods", "inference", "chat-b")
