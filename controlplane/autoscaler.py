@@ -372,9 +372,15 @@ class Autoscaler:
 
     def __init__(self) -> None:
         self.memory: dict[int, Memory] = {}
+        # Dashboard messages for the decisions of the last passes, sent by the caller
+        # (`controllers.run_autoscaler`) from its event loop, then cleared.
+        self.charted: list[dict[str, Any]] = []
 
     def run_once(self, now: float | None = None, moment: datetime | None = None
                  ) -> list[tuple[str, Decision]]:
+        """Decide for every deployment; each decision is also added to the collector's
+        series of its deployment (charted and listed on the dashboard), see
+        `chart_decision`."""
         import time
         from datetime import UTC
 
@@ -413,6 +419,7 @@ class Autoscaler:
             decision = decide(policy, deployment.replicas, figures, memory, now, moment,
                               stale_seconds=3 * settings.SCRAPE_INTERVAL)
             decisions.append((deployment.name, decision))
+            self.charted.extend(chart_decision(collector, deployment.name, decision, now))
             record = decision_record(decision)
             if decision.changes:
                 changed = Deployment.objects.filter(
@@ -439,6 +446,27 @@ class Autoscaler:
         for pk in set(self.memory) - live:
             del self.memory[pk]
         return decisions
+
+
+def chart_decision(collector: Any, deployment: str, decision: Decision, now: float
+                   ) -> list[dict[str, Any]]:
+    """Every decision, steady ones included, joins the deployment's latest sample in the
+    metrics store (so a dashboard that connects later gets it with the history) and
+    becomes one message for the dashboards open now. The event log keeps only changes and
+    new reasons for holding."""
+    series = collector.store.gateway.get(deployment) if collector is not None else None
+    if not series:
+        return []
+    sample = series[-1]
+    entry = {"t": round(now, 3), "current": decision.current, "desired": decision.desired,
+             "reason": decision.reason,
+             "signals": {name: {k: v for k, v in figures.items() if k in
+                                ("value", "target", "proposes")}
+                         for name, figures in decision.inputs.get("signals", {}).items()}}
+    sample["decided"] = decision.desired
+    sample["decision"] = entry
+    return [{"type": "decision", "deployment": deployment, "t": sample["t"],
+             "decision": entry}]
 
 
 def gpu_of(collector: Any, deployment: str) -> float | None:

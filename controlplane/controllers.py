@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import orjson
 from django.conf import settings
 from django.db import close_old_connections
 
@@ -103,6 +104,25 @@ async def run_autoscaler(stop: asyncio.Event) -> None:
                 request_reconcile()
         except Exception:
             logger.exception("autoscaler pass failed")
+        messages, autoscaler.charted = autoscaler.charted, []
+        await publish_decisions(messages)
+
+
+async def publish_decisions(messages: list[dict[str, Any]]) -> None:
+    """Each decision to the dashboards of its deployment."""
+    from channels.layers import get_channel_layer
+
+    from controlplane.collector import deployment_group
+
+    layer = get_channel_layer()
+    if layer is None or not messages:
+        return
+    try:
+        for message in messages:
+            await layer.group_send(deployment_group(message["deployment"]), {
+                "type": "dashboard.message", "text": orjson.dumps(message).decode()})
+    except Exception:
+        logger.exception("publishing autoscaler decisions failed")
 
 
 async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval: float) -> None:

@@ -1,5 +1,6 @@
 // A deployment's dashboard: per-replica time series drawn with uPlot, fed by the history
-// message sent on connect and one "update" message per scrape interval.
+// message sent on connect, one "update" message per scrape interval and, for a deployment
+// with an autoscaling policy, one "decision" message per autoscaler pass.
 (function () {
   "use strict";
   const name = document.getElementById("summary").dataset.deployment;
@@ -16,7 +17,10 @@
     ["accel", "Accelerator", "%", [["gpu_util", "GPU", 1], ["cpu_percent", "CPU", 1]]],
     // The deployment's own series (not per replica): what the autoscaler decided and got.
     ["scale", "Replicas and gateway queue", "", [["desired", "desired", 1], ["ready", "ready", 1],
-      ["standby", "standby", 1], ["in_flight", "in flight at the gateway", 1]], "deployment"],
+      ["standby", "standby", 1], ["in_flight", "in flight at the gateway", 1],
+      ["decided", "autoscaler decided", 1]], "deployment"],
+    // Each autoscaler signal against its target (1 = on target), with what it proposed.
+    ["signals", "Autoscaler signals (value ÷ target; 1 = on target)", "", [], "signals"],
   ];
   const COLORS = ["#2563eb", "#dc6803", "#067647", "#7a5af8", "#c11574", "#0e9384", "#b42318", "#475467"];
   const times = [];            // pass timestamps (seconds), oldest first
@@ -50,6 +54,46 @@
     }
     return out;
   }
+  // One line per autoscaler signal seen in the decisions: its value over its target.
+  function signalSeries() {
+    const names = new Set();
+    for (const g of gateway.values()) {
+      if (g.decision) for (const n of Object.keys(g.decision.signals)) names.add(n);
+    }
+    const out = [];
+    for (const n of [...names].sort()) {
+      const values = column((t) => {
+        const d = (gateway.get(t) || {}).decision;
+        const s = d && d.signals[n];
+        return s && s.value !== null && s.target ? { ratio: s.value / s.target } : null;
+      }, "ratio", 1);
+      if (values) out.push({ label: n, values });
+    }
+    return out;
+  }
+  // The latest decisions as rows: when, the change, why, and each signal's value, target
+  // and proposal.
+  function listDecisions() {
+    const body = document.querySelector("#decisions tbody");
+    if (!body) return;
+    const recent = [...gateway.values()].filter((g) => g.decision)
+      .sort((a, b) => b.t - a.t).slice(0, 10);
+    document.getElementById("decisions").hidden = !recent.length;
+    body.replaceChildren(...recent.map((g) => {
+      const d = g.decision;
+      const row = document.createElement("tr");
+      const signals = Object.entries(d.signals).map(([n, s]) =>
+        `${n} ${s.value === null ? "missing" : f(s.value, 2)} / ${f(s.target, 2)}` +
+        (s.proposes === undefined ? "" : ` → ${s.proposes}`)).join("; ");
+      for (const text of [new Date(d.t * 1000).toLocaleTimeString(),
+                          `${d.current} → ${d.desired}`, d.reason, signals || "–"]) {
+        const cell = document.createElement("td");
+        cell.textContent = text;
+        row.append(cell);
+      }
+      return row;
+    }));
+  }
   function seriesFor(fields) {
     const out = [];
     for (const replica of [...replicas.keys()].sort()) {
@@ -63,7 +107,8 @@
   }
   function draw() {
     for (const [id, title, unit, fields, source] of CHARTS) {
-      const series = source === "deployment" ? deploymentSeries(fields) : seriesFor(fields);
+      const series = source === "deployment" ? deploymentSeries(fields)
+        : source === "signals" ? signalSeries() : seriesFor(fields);
       const signature = series.map((s) => s.label).join("|");
       let chart = charts.get(id);
       const data = [times.slice(), ...series.map((s) => s.values)];
@@ -89,6 +134,7 @@
           empty.className = "hint";
           empty.textContent = id === "accel"
             ? "No figures: the replicas are not local and no DCGM exporter is configured."
+            : id === "signals" ? "No autoscaler decisions: this deployment has no enabled policy."
             : "No figures yet.";
           chart.element.append(empty);
         }
@@ -131,6 +177,7 @@
       }
       for (const g of message.gateway) { gateway.set(g.t, g); remember(g.t); }
       draw();
+      listDecisions();
     } else if (message.type === "update") {
       remember(message.t);
       const live = new Set();
@@ -147,6 +194,15 @@
       }
       summarise(message.summary);
       draw();
+    } else if (message.type === "decision") {
+      // The autoscaler decides just after the pass whose figures it read.
+      const sample = gateway.get(message.t);
+      if (sample) {
+        sample.decided = message.decision.desired;
+        sample.decision = message.decision;
+        draw();
+        listDecisions();
+      }
     }
   }
   window.LiveSocket(`/ws/dashboard/${name}/`, receive);

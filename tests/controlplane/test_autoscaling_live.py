@@ -18,6 +18,7 @@ from tests.product import (
     Api,
     end_replicas,
     free_port,
+    login_from,
     manage,
     product_env,
     start_server,
@@ -25,6 +26,7 @@ from tests.product import (
 )
 
 IDLE = {"idle_seconds": 10, "scale_down_window_seconds": 0, "cooldown_seconds": 0}
+LOGINS: dict[str, tuple[str, str]] = {}  # the plane's url -> the admin login it printed
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,9 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     key = manage(env, "create_api_key", "--name", "tests", "--scope",
                  "admin").stdout.strip().splitlines()[-1]
     port = free_port()
-    process, _ = start_server(env, port)
+    process, output = start_server(env, port)
     api = Api(f"http://127.0.0.1:{port}", key)
+    LOGINS[api.url] = login_from(output)
     response = api.post("/api/v1/backends/", {"name": "fakes", "kind": "local", "config": {
         "python": stand_in_python(base)}})
     assert response.status_code == 201, response.text
@@ -132,3 +135,29 @@ def test_with_a_standby_a_request_at_zero_is_served_at_once(plane: Api) -> None:
     took = time.monotonic() - started
     assert response.status_code == 200, response.text
     assert took < 1.5, f"served {took:.2f} s after the request"
+
+
+@pytest.mark.browser
+def test_the_dashboard_charts_and_lists_every_decision_with_its_inputs(
+        plane: Api, browser: Any) -> None:
+    deploy(plane, "watched", replicas=1, min_replicas=1, max_replicas=2, autoscaling={
+        "signals": [{"name": "waiting_per_replica", "target": 4}]})
+    ready(plane, "watched", 1, 0)
+    username, password = LOGINS[plane.url]
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(plane.url + "/login/?next=/dashboard/watched/")
+    page.fill("input[name=username]", username)
+    page.fill("input[name=password]", password)
+    page.click("button[type=submit]")
+    page.wait_for_selector("#live-status.ready")
+    # Idle fake engines: every pass decides "steady", and each decision shows up.
+    page.wait_for_function("document.querySelectorAll('#decisions tbody tr').length >= 2",
+                           timeout=20_000)
+    row = page.locator("#decisions tbody tr").first.locator("td")
+    assert row.nth(1).inner_text() == "1 → 1"
+    assert row.nth(2).inner_text() == "steady"
+    assert row.nth(3).inner_text() == "waiting_per_replica 0.00 / 4.00 → 0"
+    chart = page.locator("#chart-signals")
+    assert chart.get_attribute("data-series") == "1"
+    assert chart.get_attribute("data-last") == "0"  # nothing waiting: 0 of the target
+    page.close()

@@ -128,3 +128,27 @@ def test_a_scale_up_promotes_a_ready_standby_in_the_same_pass(store: MetricsStor
     assert sorted(r.name for r in published.replicas) == ["chat-1", "chat-2"]
     actions = list(AuditEvent.objects.order_by("id").values_list("action", flat=True))
     assert actions[-2:] == ["autoscaled", "replica-promoted"]
+
+
+def test_every_decision_is_charted_with_its_inputs_steady_ones_too(
+        store: MetricsStore) -> None:
+    make_deployment("chat", model=make_model("llama"), replicas=2, min_replicas=1,
+                    max_replicas=4, autoscaling=POLICY)
+    autoscaler = Autoscaler()
+    now = time.time()
+    for step, waiting in enumerate((4.0, 4.0, 7.0)):  # steady, steady, then up
+        at = now + 2 * step
+        store.gateway_series("chat").append({"t": round(at, 3), "desired": 2})
+        store.fleet = {"t": at, "deployments": [summary("chat", waiting=waiting)]}
+        autoscaler.run_once(now=at)
+    messages, autoscaler.charted = autoscaler.charted, []
+    assert [m["decision"]["reason"].split(":")[0] for m in messages] == [
+        "steady", "steady", "scaling up"]
+    # A dashboard that connects later gets them with the history.
+    history = store.deployment_history("chat")["gateway"]
+    assert [s["decided"] for s in history] == [2, 2, 4]
+    assert history[0]["decision"]["signals"] == {
+        "waiting_per_replica": {"value": 4.0, "target": 2.0, "proposes": 2}}
+    assert messages[-1]["t"] == history[-1]["t"] and messages[-1]["deployment"] == "chat"
+    # Only the change is an event: steady passes keep the log readable.
+    assert list(AuditEvent.objects.values_list("action", flat=True)) == ["autoscaled"]
