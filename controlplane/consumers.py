@@ -277,7 +277,13 @@ class PlaygroundConsumer(GuardedConsumer):
 
     async def generate(self, ident: str, pool: Any, body: dict[str, Any]) -> None:
         from serving import metrics
-        from serving.gateway import GatewayError, Timing, gateway, prompt_prefix
+        from serving.gateway import (
+            GatewayError,
+            Timing,
+            estimate_prompt_tokens,
+            gateway,
+            prompt_prefix,
+        )
         from serving.upstream import UpstreamError
 
         timing = Timing()
@@ -292,7 +298,7 @@ class PlaygroundConsumer(GuardedConsumer):
             replica, response = await gateway.open_upstream(
                 pool, model, "/v1/chat/completions", raw, self.username,
                 prompt_prefix(body, "chat"), request_id, timing, key=None, stream=True,
-                user=self.username)
+                user=self.username, prompt_tokens=estimate_prompt_tokens(body, "chat"))
             replica_name = replica.name
             state = gateway.router.state(replica.name)
             metrics.child(metrics.IN_FLIGHT, model, pool.deployment).inc()
@@ -345,6 +351,7 @@ class PlaygroundConsumer(GuardedConsumer):
             if state is not None:
                 state.in_flight -= 1
                 metrics.child(metrics.IN_FLIGHT, model, pool.deployment).dec()
+            gateway.release(timing)  # the admission slot (serving/admission.py)
             if replica_name:  # open_upstream recorded the requests it could not place
                 gateway.record(None, model, pool, replica_name, status, True, usage, timing,
                                request_id, user=self.username)

@@ -46,6 +46,9 @@ class Deployment(models.Model):
     # The autoscaling policy (controlplane/autoscaler.py, Policy.as_dict()); null: the
     # replica count is set by hand only.
     autoscaling = models.JSONField(null=True, blank=True)
+    # Gateway admission (docs/admission.md): requests per replica before queueing, and
+    # long/short context pools; null: the defaults, one pool.
+    admission = models.JSONField(null=True, blank=True)
     # How the gateway spreads requests among ready replicas (serving/router.py).
     routing_policy = models.CharField(max_length=20, default="least-load", choices=[
         ("least-load", "Least load"), ("round-robin", "Round robin"),

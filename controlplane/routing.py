@@ -22,13 +22,26 @@ def current_pools() -> list[Pool]:
         )
         served = deployment.served_model_name()
         names = tuple(dict.fromkeys([served, deployment.name, *deployment.aliases]))
+        admission = deployment.admission or {}
+        long_count = admission.get("long_replicas", 0)
+        # The long-context pool: the first replicas by name (the oldest, so a new replica
+        # joins the short pool and the long one keeps its cache), leaving the short pool
+        # at least one.
+        long = tuple(sorted(r.name for r in ready)[:min(long_count, len(ready) - 1)])
         pools.append(Pool(deployment=deployment.name, served_model_name=served,
                           policy=deployment.routing_policy,
                           max_model_len=deployment.engine_args.get("max_model_len")
                           or deployment.model.context_length,
                           replicas=ready, names=names,
                           wakes=deployment.state == Deployment.State.RUNNING and bool(
-                              (deployment.autoscaling or {}).get("enabled"))))
+                              (deployment.autoscaling or {}).get("enabled")),
+                          replica_concurrency=admission.get("replica_concurrency")
+                          or deployment.engine_args.get("max_num_seqs")
+                          or settings.GATEWAY_REPLICA_CONCURRENCY,
+                          priority_scheduling=deployment.engine_args.get(
+                              "scheduling_policy") == "priority",
+                          long_prompt_tokens=admission.get("long_prompt_tokens"),
+                          long_replicas=long))
     return pools
 
 

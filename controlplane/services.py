@@ -59,7 +59,7 @@ def spec_of(deployment: Deployment) -> dict[str, Any]:
             "engine_args": deployment.engine_args, "replicas": deployment.replicas,
             "min_replicas": deployment.min_replicas, "max_replicas": deployment.max_replicas,
             "standby": deployment.standby, "state": deployment.state,
-            "autoscaling": deployment.autoscaling}
+            "autoscaling": deployment.autoscaling, "admission": deployment.admission}
 
 
 @transaction.atomic
@@ -108,6 +108,42 @@ class DeploymentSpec:
     routing_policy: str = "least-load"
     aliases: list[str] = field(default_factory=list)
     autoscaling: dict[str, Any] | None = None
+    admission: dict[str, Any] | None = None
+
+
+ADMISSION_FIELDS = ("replica_concurrency", "long_prompt_tokens", "long_replicas")
+
+
+def check_admission(raw: Any, max_replicas: int) -> dict[str, Any] | None:
+    """The admission settings in their stored form, or None; raises DeploymentError."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise DeploymentError("admission", "admission must be an object with "
+                                           + ", ".join(ADMISSION_FIELDS))
+    unknown = sorted(set(raw) - set(ADMISSION_FIELDS))
+    if unknown:
+        raise DeploymentError(f"admission.{unknown[0]}", "unknown setting; admission takes "
+                                                         + ", ".join(ADMISSION_FIELDS))
+    out: dict[str, Any] = {}
+    for name, low, high in (("replica_concurrency", 1, 100_000),
+                            ("long_prompt_tokens", 1, 10_000_000),
+                            ("long_replicas", 1, 1000)):
+        value = raw.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise DeploymentError(f"admission.{name}",
+                                  f"must be a whole number from {low} to {high}")
+        out[name] = value
+    if ("long_prompt_tokens" in out) != ("long_replicas" in out):
+        missing = "long_replicas" if "long_prompt_tokens" in out else "long_prompt_tokens"
+        raise DeploymentError(f"admission.{missing}", "context pools need both "
+                                                      "long_prompt_tokens and long_replicas")
+    if out.get("long_replicas", 0) >= max(max_replicas, 1):
+        raise DeploymentError("admission.long_replicas",
+                              "must be below max_replicas: the short pool needs a replica")
+    return out or None
 
 
 def check_autoscaling(raw: Any, min_replicas: int, max_replicas: int
@@ -149,11 +185,13 @@ def create_deployment(spec: DeploymentSpec, *, actor: str) -> Deployment:
     check_counts(spec.replicas, spec.min_replicas, spec.max_replicas)
     check_names(spec.name, str(engine_args.get("served_model_name") or spec.name), spec.aliases)
     autoscaling = check_autoscaling(spec.autoscaling, spec.min_replicas, spec.max_replicas)
+    admission = check_admission(spec.admission, spec.max_replicas)
     deployment = Deployment.objects.create(
         name=spec.name, model=spec.model, backend=spec.backend, engine_args=engine_args,
         replicas=spec.replicas, min_replicas=spec.min_replicas,
         max_replicas=spec.max_replicas, standby=spec.standby,
         routing_policy=spec.routing_policy, aliases=spec.aliases, autoscaling=autoscaling,
+        admission=admission,
     )
     audit(actor, "deployment-created", deployment, f"deployment {spec.name} created",
           after=spec_of(deployment))
@@ -175,12 +213,13 @@ def update_deployment(deployment: Deployment, changes: dict[str, Any], *,
     if "model" in changes and changes["model"] != deployment.model:
         deployment.model, rollout = changes["model"], True
     for name in ("replicas", "min_replicas", "max_replicas", "standby", "routing_policy",
-                 "aliases", "autoscaling"):
+                 "aliases", "autoscaling", "admission"):
         if name in changes:
             setattr(deployment, name, changes[name])
     deployment.autoscaling = check_autoscaling(deployment.autoscaling,
                                                deployment.min_replicas,
                                                deployment.max_replicas)
+    deployment.admission = check_admission(deployment.admission, deployment.max_replicas)
     check_model(deployment.model, deployment.engine_args, deployment.backend)
     check_names(deployment.name, deployment.served_model_name(), deployment.aliases,
                 exclude=deployment.pk)

@@ -25,6 +25,7 @@ from controlplane.envconfig import (
     env_str,
     redis_url,
 )
+from serving.priority import parse_classes
 
 # Lets the admin and forms be written with type parameters (ModelAdmin[Model]).
 django_stubs_ext.monkeypatch()
@@ -207,6 +208,18 @@ GATEWAY_LOAD_SCRAPE_SECONDS = env_float("GATEWAY_LOAD_SCRAPE_SECONDS", 1.0, mini
 GATEWAY_COLD_START_WAIT_SECONDS = env_float("GATEWAY_COLD_START_WAIT_SECONDS", 180.0,
                                             minimum=0.0)
 KEY_CACHE_SECONDS = env_float("KEY_CACHE_SECONDS", 60.0, minimum=0.0)
+# Admission (docs/admission.md): priority classes, queue aging, per-replica concurrency,
+# failed-authentication limits per client address.
+try:
+    PRIORITY_CLASSES = parse_classes(env_str("PRIORITY_CLASSES", ""))
+except ValueError as _exc:
+    raise SettingError(str(_exc)) from None
+# Every this many seconds waited counts as one level more urgent, so no class starves.
+GATEWAY_QUEUE_AGING_SECONDS = env_float("GATEWAY_QUEUE_AGING_SECONDS", 10.0, minimum=0.1)
+# Requests one replica takes at once before the gateway queues, unless the deployment
+# says (its `replica_concurrency`, else its engine argument max_num_seqs).
+GATEWAY_REPLICA_CONCURRENCY = env_int("GATEWAY_REPLICA_CONCURRENCY", 256, minimum=1)
+GATEWAY_AUTH_FAILURES_PER_MINUTE = env_int("GATEWAY_AUTH_FAILURES_PER_MINUTE", 30, minimum=1)
 USAGE_FLUSH_SECONDS = env_float("USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
 
 # The metrics collector and the live dashboards.

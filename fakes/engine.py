@@ -63,6 +63,7 @@ class FakeEngine:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.seen_prompts: set[int] = set()
+        self.priorities: dict[int, int] = {}  # requests per `priority` field value
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.slots = asyncio.Semaphore(max_running)
@@ -109,6 +110,9 @@ class FakeEngine:
             return
         tokens = int(request.get("max_tokens") or request.get("max_completion_tokens") or 16)
         self.requests += 1
+        if isinstance(request.get("priority"), int):
+            self.priorities[request["priority"]] = self.priorities.get(
+                request["priority"], 0) + 1
         # Prefix caching, faked: every prompt counts 5 tokens, all of them hits when the
         # same prompt was seen before.
         prompt = hash(json.dumps(request.get("messages") or request.get("prompt")))
@@ -213,6 +217,9 @@ class FakeEngine:
             f"vllm:num_requests_waiting{{{labels}}} {self.waiting}",
             "# TYPE fake:requests_total counter",
             f"fake:requests_total {self.requests}",
+            "# TYPE fake:requests_by_priority_total counter",
+            *(f'fake:requests_by_priority_total{{priority="{level}"}} {count}'
+              for level, count in sorted(self.priorities.items())),
             "# TYPE fake:client_disconnects_total counter",
             f"fake:client_disconnects_total {self.disconnects}",
             "# TYPE vllm:kv_cache_usage_perc gauge",
@@ -267,6 +274,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="fake")
     parser.add_argument("--token-interval-ms", type=float, default=10.0)
+    parser.add_argument("--max-running", type=int, default=256,
+                        help="requests generated at once; more wait, like vLLM's max_num_seqs")
     parser.add_argument("--extra-ports", type=int, default=0, metavar="N",
                         help="also listen on N more free ports (one fake engine answering "
                              "as many endpoints), written one per line to --ports-file")
@@ -275,7 +284,8 @@ def main() -> None:
     import uvicorn
 
     if not options.extra_ports:
-        engine = FakeEngine(options.model, options.token_interval_ms / 1000)
+        engine = FakeEngine(options.model, options.token_interval_ms / 1000,
+                            options.max_running)
         uvicorn.run(engine, host=options.host, port=options.port, log_level="warning",
                     access_log=False, lifespan="on")
         return

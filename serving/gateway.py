@@ -16,15 +16,18 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 from django.conf import settings
 
 from serving import metrics
+from serving.admission import Admission, Refused, Ticket, retry_after_header
 from serving.keys import KeyInfo, authenticate, follow_key_changes
+from serving.priority import DEFAULT_CLASS, PriorityClass, classes
+from serving.ratelimit import Limit, MemoryLimiter, RedisLimiter, key_limits, token_charges
 from serving.router import Router
 from serving.routes import Pool, RouteReplica, routes
 from serving.upstream import Pool as ConnectionPool
@@ -66,6 +69,7 @@ class Timing:
     last_chunk: float = 0.0
     gaps: float = 0.0
     chunks: int = 0
+    ticket: Ticket | None = None  # the admission slot held, released when the answer ends
 
 
 class Gateway:
@@ -75,6 +79,12 @@ class Gateway:
         self.usage: UsageWriter | None = None
         self.background: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.admission = Admission()
+        self.limiter: MemoryLimiter | RedisLimiter = MemoryLimiter()
+        self.limiter_url: str | None = None
+        # client address -> when it last failed to authenticate (this process)
+        self.auth_failures: dict[str, float] = {}
+        self.tasks: set[asyncio.Task[Any]] = set()
 
     # --- plumbing --------------------------------------------------------------------
 
@@ -87,6 +97,14 @@ class Gateway:
             self.client = ConnectionPool()
             self.usage = UsageWriter()
             self.background = None
+            self.admission = Admission()
+            self.limiter_url = None
+        if self.limiter_url != (settings.REDIS_URL or ""):
+            # Budgets are shared through Redis when it is configured (read here, so a
+            # changed setting takes effect), else kept in this process.
+            self.limiter_url = settings.REDIS_URL or ""
+            self.limiter = (RedisLimiter(self.limiter_url) if self.limiter_url
+                            else MemoryLimiter())
         if self.background is None or self.background.done():
             self.background = loop.create_task(self.watch_load())
         assert self.client is not None
@@ -108,9 +126,22 @@ class Gateway:
                     if not routes.publishes_locally:
                         await self.load_routes_from_redis(redis_connection)
                 await self.scrape_load()
+                self.refresh_capacity()
             except Exception:
                 logger.exception("load watcher failed; trying again")
             await asyncio.sleep(settings.GATEWAY_LOAD_SCRAPE_SECONDS)
+
+    def refresh_capacity(self) -> None:
+        """Replicas came or went: waiting requests take the new slots."""
+        for pool in {p.deployment: p for p in routes.table.pools.values()}.values():
+            for lane, replicas in pool.lanes().items():
+                self.admission.set_capacity(f"{pool.deployment}|{lane}",
+                                            len(replicas) * pool.replica_concurrency)
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     @staticmethod
     async def load_routes_from_redis(connection: Any) -> None:
@@ -170,6 +201,32 @@ class Gateway:
             await respond(send, error.status, error.body(), base_headers + error.headers)
 
     async def authenticate(self, scope: Scope) -> KeyInfo:
+        """The caller's key. Unknown, revoked, expired, forged and truncated keys all get
+        the same 401; an address with too many failures in a minute gets 429."""
+        address = (scope.get("client") or ("-", 0))[0]
+        failures = Limit("requests", f"authfail:{address}",
+                         settings.GATEWAY_AUTH_FAILURES_PER_MINUTE, 1)
+        if address in self.auth_failures:
+            if time.monotonic() - self.auth_failures[address] > 60:
+                del self.auth_failures[address]
+            else:
+                verdict = await self.limiter.admit([failures], commit=False)
+                if not verdict.allowed:
+                    metrics.child(metrics.REFUSED, "-", "auth_failures").inc()
+                    raise GatewayError(
+                        429, "too many failed authentication attempts from this address",
+                        kind="rate_limit_error", code="too_many_auth_failures",
+                        headers=[retry_after_header(verdict.retry_after)])
+        try:
+            return await self.check_key(scope)
+        except GatewayError:
+            if len(self.auth_failures) > 100_000:
+                self.auth_failures.clear()
+            self.auth_failures[address] = time.monotonic()
+            await self.limiter.charge([failures])
+            raise
+
+    async def check_key(self, scope: Scope) -> KeyInfo:
         value = header(scope, b"authorization")
         if not value:
             raise GatewayError(401, "missing API key: send Authorization: Bearer <key>",
@@ -239,9 +296,24 @@ class Gateway:
             raise GatewayError(403, f"this API key may not use the model `{model}`",
                                kind="permission_error", param="model",
                                code="model_not_allowed")
+        priority = self.priority_of(scope, key)
+        prompt_tokens = estimate_prompt_tokens(body, kind)
+        limits = key_limits(key, prompt_tokens)
+        if limits:
+            verdict = await self.limiter.admit(limits)
+            if not verdict.allowed:
+                metrics.child(metrics.REFUSED, pool.deployment, "rate_limit").inc()
+                raise GatewayError(429, "rate limit reached for this API key or its team; "
+                                        "see the x-ratelimit-* headers",
+                                   kind="rate_limit_error", code="rate_limit_exceeded",
+                                   headers=verdict.headers())
+            headers = headers + verdict.headers()
         stream = bool(body.get("stream"))
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         rewrite = model != pool.served_model_name or (stream and not wants_usage)
+        if pool.priority_scheduling:  # vLLM's scheduler orders by it (lower first)
+            body["priority"] = priority.level
+            rewrite = True
         if rewrite:
             body["model"] = pool.served_model_name
             if stream and not wants_usage:
@@ -252,17 +324,78 @@ class Gateway:
         session = header(scope, b"x-session-id") or str(body.get("user") or "") or None
         prefix = prompt_prefix(body, kind)
         await self.relay(send, receive, key, pool, model, scope["path"], raw, stream,
-                         wants_usage, session, prefix, request_id, headers, timing)
+                         wants_usage, session, prefix, request_id, headers, timing,
+                         priority=priority, prompt_tokens=prompt_tokens)
+
+    @staticmethod
+    def priority_of(scope: Scope, key: KeyInfo) -> PriorityClass:
+        """The key's class, or a lower one asked for with X-Priority."""
+        known = classes()
+        own = known.get(key.priority) or known[DEFAULT_CLASS]
+        asked = header(scope, b"x-priority")
+        if not asked:
+            return own
+        wanted = known.get(asked.strip().lower())
+        if wanted is None:
+            raise GatewayError(400, f"unknown priority class {asked.strip()[:40]!r}: one of "
+                                    f"{', '.join(known)}", param="x-priority",
+                               code="invalid_priority")
+        if wanted.level < own.level:
+            raise GatewayError(403, f"this API key may not use the priority class "
+                                    f"{wanted.name!r} (its highest is {own.name!r})",
+                               kind="permission_error", param="x-priority",
+                               code="priority_not_allowed")
+        return wanted
 
     async def open_upstream(self, pool: Pool, model: str, path: str, raw: bytes,
                             session: str | None, prefix: str | None, request_id: str,
                             timing: Timing, *, key: KeyInfo | None, stream: bool,
-                            user: str = "") -> tuple[RouteReplica, Response]:
+                            user: str = "", priority: PriorityClass | None = None,
+                            prompt_tokens: int = 0) -> tuple[RouteReplica, Response]:
         """Send the request to a replica the router picks, retrying on another one when it
-        fails before answering; the chosen replica's in-flight count includes it."""
+        fails before answering; the chosen replica's in-flight count includes it. When
+        every replica of its context pool is full, wait in the priority queue first: the
+        slot taken is in `timing.ticket`, and the caller gives it back with `release`."""
         client = self.http()
         if not pool.replicas and pool.wakes:
             pool = await self.wait_for_capacity(pool, model)
+        lane = pool.lane_for(prompt_tokens)
+        if lane != "all":
+            pool = replace(pool, replicas=pool.lanes()[lane])
+        healthy = len(self.router.healthy(pool))
+        if healthy:
+            priority = priority or classes()[DEFAULT_CLASS]
+            try:
+                timing.ticket = await self.admission.acquire(
+                    f"{pool.deployment}|{lane}", healthy * pool.replica_concurrency, priority)
+            except Refused as exc:
+                metrics.child(metrics.REFUSED, pool.deployment, exc.code).inc()
+                self.record(key, model, pool, "", exc.status, stream, None, timing,
+                            request_id, user=user)
+                raise GatewayError(exc.status, exc.message, kind="rate_limit_error"
+                                   if exc.status == 429 else "service_unavailable",
+                                   code=exc.code,
+                                   headers=[retry_after_header(exc.retry_after)]) from None
+            if timing.ticket.position:
+                metrics.child(metrics.QUEUE_WAIT, pool.deployment, priority.name).observe(
+                    timing.ticket.waited)
+        try:
+            return await self.place(client, pool, model, path, raw, session, prefix,
+                                    request_id, timing, key=key, stream=stream, user=user)
+        except BaseException:
+            self.release(timing, finished=False)
+            raise
+
+    def release(self, timing: Timing, *, finished: bool = True) -> None:
+        """Give back the admission slot of a request that has ended (once)."""
+        ticket, timing.ticket = timing.ticket, None
+        if ticket is not None:
+            self.admission.release(ticket.lane, finished=finished)
+
+    async def place(self, client: ConnectionPool, pool: Pool, model: str, path: str,
+                    raw: bytes, session: str | None, prefix: str | None, request_id: str,
+                    timing: Timing, *, key: KeyInfo | None, stream: bool, user: str
+                    ) -> tuple[RouteReplica, Response]:
         tried: list[str] = []
         upstream_headers = (("Content-Type", "application/json"), ("X-Request-Id", request_id))
         response: Response | None = None
@@ -348,10 +481,14 @@ class Gateway:
                     path: str, raw: bytes, stream: bool, wants_usage: bool,
                     session: str | None,
                     prefix: str | None, request_id: str, headers: list[tuple[bytes, bytes]],
-                    timing: Timing) -> None:
+                    timing: Timing, *, priority: PriorityClass,
+                    prompt_tokens: int) -> None:
         replica, response = await self.open_upstream(pool, model, path, raw, session, prefix,
                                                       request_id, timing, key=key,
-                                                      stream=stream)
+                                                      stream=stream, priority=priority,
+                                                      prompt_tokens=prompt_tokens)
+        if timing.ticket is not None:
+            headers = [*headers, *timing.ticket.headers()]
         state = self.router.state(replica.name)
         metrics.child(metrics.IN_FLIGHT, model, pool.deployment).inc()
         status = response.status
@@ -393,8 +530,24 @@ class Gateway:
         finally:
             response.release()
             state.in_flight -= 1
+            self.release(timing)
             metrics.child(metrics.IN_FLIGHT, model, pool.deployment).dec()
+            if usage and (key.tpm or key.team_tpm):
+                # The completion, and any prompt tokens beyond the estimate, once known.
+                completion = usage.get("completion_tokens")
+                prompt = usage.get("prompt_tokens")
+                extra = (completion if isinstance(completion, int) else 0) + max(
+                    0, (prompt if isinstance(prompt, int) else 0) - prompt_tokens)
+                charges = token_charges(key, extra)
+                if charges:
+                    self.spawn(self.charge(charges))
         self.record(key, model, pool, replica.name, status, stream, usage, timing, request_id)
+
+    async def charge(self, charges: list[Limit]) -> None:
+        try:
+            await self.limiter.charge(charges)
+        except Exception:
+            logger.exception("could not charge tokens to the rate limits")
 
     async def relay_stream(self, send: Send, receive: Receive,
                            response: Response,
@@ -584,6 +737,32 @@ def check_parameters(body: dict[str, Any], kind: str) -> None:
             temperature, int | float) or not 0 <= temperature <= 2):
         raise GatewayError(400, "`temperature` must be a number from 0 to 2",
                            param="temperature", code="invalid_value")
+
+
+def estimate_prompt_tokens(body: dict[str, Any], kind: str) -> int:
+    """The prompt's size in tokens, estimated from its characters (about four per token
+    for English text with the common tokenizers), for token budgets and context pools."""
+    chars = 0
+    if kind == "chat":
+        for message in body.get("messages") or []:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(part.get("text") or "") for part in content
+                             if isinstance(part, dict) and isinstance(part.get("text"), str))
+            chars += 16  # the role and the chat template's markers
+    else:
+        value = body.get("prompt") if kind == "completion" else body.get("input")
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, str):
+                chars += len(item)
+            elif isinstance(item, list):  # token ids
+                chars += 4 * len(item)
+    return max(1, (chars + 3) // 4)
 
 
 def prompt_prefix(body: dict[str, Any], kind: str) -> str | None:

@@ -20,7 +20,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db.models.signals import post_delete, post_save
 
-from serving.models import ApiKey
+from serving.models import ApiKey, Team
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,16 @@ class KeyInfo:
     name: str
     scope: str
     allowed_models: tuple[str, ...]
+    priority: str = "standard"  # the highest class the key may use
+    rpm: int | None = None
+    tpm: int | None = None
+    team_id: int | None = None
+    team_rpm: int | None = None
+    team_tpm: int | None = None
+    expires: float | None = None  # seconds since the epoch
+
+    def expired(self) -> bool:
+        return self.expires is not None and time.time() >= self.expires
 
     def allows(self, *names: str) -> bool:
         return not self.allowed_models or any(n in self.allowed_models for n in names)
@@ -76,13 +86,22 @@ async def follow_key_changes(connection: Any) -> None:
 
 post_save.connect(clear_cache, sender=ApiKey, dispatch_uid="serving.keys.save")
 post_delete.connect(clear_cache, sender=ApiKey, dispatch_uid="serving.keys.delete")
+post_save.connect(clear_cache, sender=Team, dispatch_uid="serving.keys.team-save")
+post_delete.connect(clear_cache, sender=Team, dispatch_uid="serving.keys.team-delete")
 
 
 def _lookup(key_hash: str) -> KeyInfo | None:
-    record = ApiKey.objects.filter(key_hash=key_hash, revoked_at__isnull=True).first()
+    record = (ApiKey.objects.filter(key_hash=key_hash, revoked_at__isnull=True)
+              .select_related("team").first())
     if record is None:
         return None
-    return KeyInfo(record.pk, record.name, record.scope, tuple(record.allowed_models or ()))
+    team = record.team
+    return KeyInfo(record.pk, record.name, record.scope, tuple(record.allowed_models or ()),
+                   priority=record.priority, rpm=record.rpm_limit, tpm=record.tpm_limit,
+                   team_id=team.pk if team else None,
+                   team_rpm=team.rpm_limit if team else None,
+                   team_tpm=team.tpm_limit if team else None,
+                   expires=record.expires_at.timestamp() if record.expires_at else None)
 
 
 async def _fetch(key_hash: str) -> KeyInfo | None:
@@ -108,6 +127,13 @@ async def _fetch(key_hash: str) -> KeyInfo | None:
 
 
 async def authenticate(key: str) -> KeyInfo | None:
+    """The key's record if it is known, not revoked and not expired; None for every other
+    case alike (the caller answers all of them the same way)."""
+    info = await _authenticate(key)
+    return None if info is None or info.expired() else info
+
+
+async def _authenticate(key: str) -> KeyInfo | None:
     key_hash = hashlib.sha256(key.encode()).hexdigest()
     cached = _cache.get(key_hash)
     if cached is None:

@@ -30,6 +30,15 @@ RETRIES = Counter("fleetplane_gateway_retries_total",
 UPSTREAM_ERRORS = Counter("fleetplane_gateway_upstream_errors_total",
                           "Failed connections or broken streams to replicas",
                           ["model", "deployment"])
+QUEUED = Gauge("fleetplane_gateway_queued_requests",
+               "Requests waiting in the gateway's priority queue",
+               ["deployment", "priority"])
+QUEUE_WAIT = Histogram("fleetplane_gateway_queue_wait_seconds",
+                       "Time waited in the priority queue before a replica took the request",
+                       ["deployment", "priority"], buckets=LATENCY_BUCKETS)
+REFUSED = Counter("fleetplane_gateway_refused_total",
+                  "Requests refused before reaching a replica, by reason",
+                  ["deployment", "reason"])
 
 
 @functools.lru_cache(maxsize=8192)

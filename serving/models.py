@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
+
+
+class Team(models.Model):
+    """A group of keys sharing one request and token budget."""
+
+    name = models.CharField(max_length=100, unique=True)
+    # Per minute, shared by all the team's keys; empty: no team-wide limit.
+    rpm_limit = models.PositiveIntegerField(null=True, blank=True)
+    tpm_limit = models.PositiveIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class ApiKey(models.Model):
@@ -19,8 +36,24 @@ class ApiKey(models.Model):
     key_hash = models.CharField(max_length=64, unique=True)
     # Models (served names or deployment names) the key may call; empty allows all.
     allowed_models = models.JSONField(default=list, blank=True)
+    # Whose key it is: a team (sharing the team's budget) or a user, or neither.
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, null=True, blank=True,
+                             related_name="keys")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, null=True,
+                             blank=True, related_name="api_keys")
+    # A priority class name (settings.PRIORITY_CLASSES): the highest this key may ask for.
+    priority = models.CharField(max_length=30, default="standard")
+    # Per minute, for this key alone; empty: no limit of its own.
+    rpm_limit = models.PositiveIntegerField(null=True, blank=True)
+    tpm_limit = models.PositiveIntegerField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # Totals, added to when usage records are written.
+    requests_total = models.PositiveBigIntegerField(default=0)
+    prompt_tokens_total = models.PositiveBigIntegerField(default=0)
+    completion_tokens_total = models.PositiveBigIntegerField(default=0)
+    last_used_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
@@ -30,7 +63,10 @@ class ApiKey(models.Model):
         return f"{self.name} ({self.prefix}…, {self.scope})"
 
     def is_active(self) -> bool:
-        return self.revoked_at is None
+        from django.utils import timezone
+
+        return self.revoked_at is None and (
+            self.expires_at is None or self.expires_at > timezone.now())
 
     def allows_admin(self) -> bool:
         return self.is_active() and self.scope == self.Scope.ADMIN

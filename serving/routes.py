@@ -38,6 +38,32 @@ class Pool:
     #: The autoscaler brings a replica up for a request that finds none (scale from zero):
     #: such a request waits at the gateway (serving/demand.py) instead of failing.
     wakes: bool = False
+    #: Requests one replica takes at once; more wait in the gateway's priority queue.
+    replica_concurrency: int = 256
+    #: The engine runs with scheduling_policy=priority: the request's level is passed on.
+    priority_scheduling: bool = False
+    #: Context pools: prompts of at least this many (estimated) tokens go to the
+    #: `long_replicas`, shorter ones to the others.
+    long_prompt_tokens: int | None = None
+    long_replicas: tuple[str, ...] = ()
+
+    def lanes(self) -> dict[str, tuple[RouteReplica, ...]]:
+        """The replicas of each context pool: "short" and "long", or one "all"."""
+        if not self.long_prompt_tokens:
+            return {"all": self.replicas}
+        long = tuple(r for r in self.replicas if r.name in self.long_replicas)
+        short = tuple(r for r in self.replicas if r.name not in self.long_replicas)
+        return {"short": short, "long": long}
+
+    def lane_for(self, prompt_tokens: int) -> str:
+        """Which pool a prompt of this size goes to (a pool with no replica hands its
+        requests to the other)."""
+        if not self.long_prompt_tokens:
+            return "all"
+        lanes = self.lanes()
+        wanted = "long" if prompt_tokens >= self.long_prompt_tokens else "short"
+        other = "short" if wanted == "long" else "long"
+        return wanted if lanes[wanted] or not lanes[other] else other
 
 
 @dataclass
@@ -61,7 +87,11 @@ def pool_from_dict(raw: dict[str, Any]) -> Pool:
     return Pool(deployment=raw["deployment"], served_model_name=raw["served_model_name"],
                 policy=raw.get("policy", "least-load"), max_model_len=raw.get("max_model_len"),
                 replicas=tuple(RouteReplica(**r) for r in raw.get("replicas", [])),
-                names=tuple(raw.get("names", ())), wakes=bool(raw.get("wakes", False)))
+                names=tuple(raw.get("names", ())), wakes=bool(raw.get("wakes", False)),
+                replica_concurrency=int(raw.get("replica_concurrency") or 256),
+                priority_scheduling=bool(raw.get("priority_scheduling", False)),
+                long_prompt_tokens=raw.get("long_prompt_tokens"),
+                long_replicas=tuple(raw.get("long_replicas", ())))
 
 
 def build_table(pools: list[Pool]) -> RouteTable:

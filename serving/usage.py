@@ -10,6 +10,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -82,7 +83,7 @@ def write_batch(batch: list[Usage]) -> None:
     relay waits."""
     from django.db import close_old_connections, connection, transaction
 
-    from serving.models import UsageRecord
+    from serving.models import ApiKey, UsageRecord
 
     close_old_connections()
     table = connection.ops.quote_name(UsageRecord._meta.db_table)
@@ -93,5 +94,25 @@ def write_batch(batch: list[Usage]) -> None:
              u.deployment, u.replica, u.status,
              u.stream, u.prompt_tokens, u.completion_tokens, u.queue_ms, u.ttft_ms, u.itl_ms,
              u.e2e_ms, u.username) for u in batch]
+    # The keys' totals: one UPDATE per key in the batch.
+    totals: dict[int, list[Any]] = {}
+    for u in batch:
+        if u.key_id is None:
+            continue
+        entry = totals.setdefault(u.key_id, [0, 0, 0, u.at])
+        entry[0] += 1
+        entry[1] += u.prompt_tokens or 0
+        entry[2] += u.completion_tokens or 0
+        entry[3] = max(entry[3], u.at)
+    keys = connection.ops.quote_name(ApiKey._meta.db_table)
+    q = connection.ops.quote_name
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.executemany(f"INSERT INTO {table} ({columns}) VALUES ({placeholders})", rows)
+        if totals:
+            cursor.executemany(
+                f"UPDATE {keys} SET {q('requests_total')} = {q('requests_total')} + %s, "
+                f"{q('prompt_tokens_total')} = {q('prompt_tokens_total')} + %s, "
+                f"{q('completion_tokens_total')} = {q('completion_tokens_total')} + %s, "
+                f"{q('last_used_at')} = %s WHERE {q('id')} = %s",
+                [(n, p, c, at(datetime.fromtimestamp(last, UTC)), key_id)
+                 for key_id, (n, p, c, last) in totals.items()])

@@ -29,11 +29,13 @@ class FakeEngine:
 
 
 def start_fake_engine(name: str, model: str = "fake", interval_ms: float = 5,
-                      host: str = "127.0.0.1", port: int = 0) -> FakeEngine:
+                      host: str = "127.0.0.1", port: int = 0,
+                      max_running: int = 256) -> FakeEngine:
     port = port or free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "fakes.engine", "--host", host, "--port", str(port),
-         "--model", model, "--token-interval-ms", str(interval_ms)], cwd=ROOT)
+         "--model", model, "--token-interval-ms", str(interval_ms),
+         "--max-running", str(max_running)], cwd=ROOT)
     url = f"http://{host}:{port}"
     try:
         wait_healthy(url, 30, process)
@@ -59,9 +61,10 @@ def fake_engines() -> Iterator[Callable[..., FakeEngine]]:
 
 
 def publish(deployment: str, engines: list[FakeEngine], *, served: str = "fake",
-            policy: str = "least-load", names: tuple[str, ...] = ()) -> None:
+            policy: str = "least-load", names: tuple[str, ...] = (),
+            **options: object) -> None:
     pool = Pool(deployment=deployment, served_model_name=served, policy=policy,
                 max_model_len=2048,
                 replicas=tuple(RouteReplica(e.name, e.url) for e in engines),
-                names=names or (served, deployment))
+                names=names or (served, deployment), **options)  # type: ignore[arg-type]
     routes.publish(build_table([pool]))

@@ -55,9 +55,11 @@ def wait_healthy(url: str, timeout: float,
     raise RuntimeError(f"{url} did not become healthy in {timeout:.0f} s")
 
 
-def start_server(env: dict[str, str], port: int) -> tuple[subprocess.Popen[str], str]:
+def start_server(env: dict[str, str], port: int,
+                 *options: str) -> tuple[subprocess.Popen[str], str]:
     """Start `manage.py serve`; return once /healthz answers, with what it printed."""
-    process = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port)],
+    process = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port),
+                                *options],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []

@@ -67,6 +67,10 @@ class DeploymentSerializer(serializers.ModelSerializer):
     autoscaling = serializers.JSONField(
         required=False, allow_null=True, default=None,
         help_text="an autoscaling policy (docs/autoscaling.md); null: scaled by hand")
+    admission = serializers.JSONField(
+        required=False, allow_null=True, default=None,
+        help_text="replica_concurrency, long_prompt_tokens, long_replicas "
+                  "(docs/admission.md); null: the defaults")
     ready_replicas = serializers.SerializerMethodField()
     replica_list = ReplicaSerializer(source="replica_set", many=True, read_only=True)
 
@@ -74,7 +78,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
         model = Deployment
         fields = ["name", "model", "backend", "engine_args", "replicas", "min_replicas",
                   "max_replicas", "standby", "routing_policy", "aliases", "autoscaling",
-                  "state",
+                  "admission", "state",
                   "generation", "observed_generation", "conditions", "ready_replicas",
                   "deleting", "replica_list", "created_at", "updated_at"]
         read_only_fields = ["state", "generation", "observed_generation", "conditions",

@@ -71,7 +71,8 @@ class DeploymentViewSet(viewsets.ModelViewSet):
             engine_args=data.get("engine_args") or {}, replicas=data["replicas"],
             min_replicas=data["min_replicas"], max_replicas=data["max_replicas"],
             standby=data["standby"], routing_policy=data["routing_policy"],
-            aliases=data["aliases"], autoscaling=data.get("autoscaling")),
+            aliases=data["aliases"], autoscaling=data.get("autoscaling"),
+            admission=data.get("admission")),
             actor=actor_of(self.request))
 
     def perform_update(self, serializer: serializers.BaseSerializer) -> None:

@@ -37,3 +37,33 @@ def empty_route_table() -> Iterator[None]:
     routes.publish(build_table([]))
     yield
     routes.publish(build_table([]))
+
+
+@pytest.fixture(autouse=True)
+def fresh_budgets() -> Iterator[None]:
+    """Rate-limit buckets and failed-authentication counts start empty in every test (the
+    in-process gateway lives for the session; every test calls from 127.0.0.1)."""
+    from serving.gateway import gateway
+    from serving.ratelimit import MemoryLimiter
+
+    def reset() -> None:
+        gateway.auth_failures.clear()
+        if isinstance(gateway.limiter, MemoryLimiter):
+            gateway.limiter.buckets.clear()
+        flush_redis_budgets()
+
+    reset()
+    yield
+    reset()
+
+
+def flush_redis_budgets(url: str = "redis://127.0.0.1:6379/7") -> None:
+    import redis
+
+    from serving.ratelimit import REDIS_PREFIX
+
+    connection = redis.Redis.from_url(url)
+    names = list(connection.scan_iter(REDIS_PREFIX + "*"))
+    if names:
+        connection.delete(*names)
+    connection.close()

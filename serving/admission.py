@@ -1,0 +1,191 @@
+"""Priority admission: when every replica of a deployment (or of one of its context
+pools) holds as many requests as it may, further requests wait here, in a queue per
+deployment and pool, taken in priority order, then arrival order.
+
+Each waiting request ranks by its class's level minus one level per
+GATEWAY_QUEUE_AGING_SECONDS waited, so a lower class moves up the longer it waits and
+never starves. A class's queue is bounded in length (`max_queued`: a full queue answers 429)
+and in wait (`max_wait_seconds`: an expired wait answers 503); both carry a Retry-After
+estimated from the measured service rate (requests finished per second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+
+from serving.priority import PriorityClass
+
+RATE_WINDOW = 30.0  # seconds of finished requests the service rate is measured over
+
+
+class Refused(Exception):
+    """The queue cannot take the request (`full`) or it waited too long."""
+
+    def __init__(self, status: int, message: str, retry_after: float, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.retry_after, self.code = (
+            status, message, retry_after, code)
+
+
+@dataclass
+class Waiter:
+    priority: PriorityClass
+    arrived: float
+    order: int
+    future: asyncio.Future[None]
+
+    def rank(self, now: float, aging: float) -> tuple[float, int]:
+        return (self.priority.level - (now - self.arrived) / aging, self.order)
+
+
+@dataclass
+class Ticket:
+    """A request let through: where it stood and how long it waited."""
+
+    lane: str
+    position: int  # 0: went straight through
+    estimated_wait: float
+    waited: float = 0.0
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"x-queue-position", str(self.position).encode()),
+                (b"x-queue-wait-ms", str(round(self.waited * 1000)).encode()),
+                (b"x-queue-estimated-wait-ms",
+                 str(round(self.estimated_wait * 1000)).encode())]
+
+
+@dataclass
+class Lane:
+    """One deployment's (or context pool's) slots and queue."""
+
+    capacity: int = 0
+    busy: int = 0
+    waiting: list[Waiter] = field(default_factory=list)
+    finished: deque[float] = field(default_factory=deque)
+
+    def service_rate(self, now: float) -> float | None:
+        while self.finished and self.finished[0] < now - RATE_WINDOW:
+            self.finished.popleft()
+        if len(self.finished) < 2:
+            return None
+        span = max(now - self.finished[0], 1.0)
+        return len(self.finished) / span
+
+    def estimate(self, ahead: int, now: float, fallback: float) -> float:
+        if not ahead and self.busy < self.capacity:
+            return 0.0
+        rate = self.service_rate(now)
+        return fallback if rate is None else (ahead + 1) / rate
+
+
+class Admission:
+    def __init__(self) -> None:
+        self.lanes: dict[str, Lane] = {}
+        self.counter = itertools.count()
+
+    def lane(self, name: str) -> Lane:
+        lane = self.lanes.get(name)
+        if lane is None:
+            lane = self.lanes[name] = Lane()
+        return lane
+
+    def queued(self, deployment: str) -> dict[str, int]:
+        """Requests waiting, per class, over the deployment's lanes (for the metrics)."""
+        out: dict[str, int] = {}
+        for name, lane in self.lanes.items():
+            if name.split("|", 1)[0] == deployment:
+                for waiter in lane.waiting:
+                    out[waiter.priority.name] = out.get(waiter.priority.name, 0) + 1
+        return out
+
+    def set_capacity(self, name: str, capacity: int) -> None:
+        lane = self.lane(name)
+        if lane.capacity != capacity:
+            lane.capacity = capacity
+            self.dispatch(lane)
+
+    async def acquire(self, name: str, capacity: int, priority: PriorityClass) -> Ticket:
+        """A slot in the lane `name` (deployment|pool), at once or after waiting; raises
+        Refused when the class's queue is full or the wait runs out."""
+        self.set_capacity(name, capacity)
+        lane = self.lane(name)
+        now = time.monotonic()
+        if lane.busy < lane.capacity and not lane.waiting:
+            lane.busy += 1
+            return Ticket(name, 0, 0.0)
+        same = sum(1 for w in lane.waiting if w.priority.name == priority.name)
+        if same >= priority.max_queued:
+            retry = lane.estimate(len(lane.waiting), now, priority.max_wait_seconds)
+            raise Refused(429, f"the {priority.name} queue of this deployment is full "
+                               f"({priority.max_queued} waiting)", retry, "queue_full")
+        waiter = Waiter(priority, now, next(self.counter),
+                        asyncio.get_running_loop().create_future())
+        aging = float(settings.GATEWAY_QUEUE_AGING_SECONDS)
+        mine = waiter.rank(now, aging)
+        position = 1 + sum(1 for w in lane.waiting if w.rank(now, aging) < mine)
+        estimated = lane.estimate(position - 1, now, priority.max_wait_seconds)
+        lane.waiting.append(waiter)
+        gauge = queued_gauge(name, priority.name)
+        gauge.inc()
+        waiter.future.add_done_callback(lambda _: gauge.dec())
+        self.dispatch(lane)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future),
+                                   timeout=priority.max_wait_seconds)
+        except TimeoutError:
+            if waiter.future.done():  # let through at the very moment the wait ran out
+                return Ticket(name, position, estimated, time.monotonic() - now)
+            lane.waiting.remove(waiter)
+            waiter.future.cancel()
+            retry = lane.estimate(len(lane.waiting), time.monotonic(),
+                                  priority.max_wait_seconds)
+            raise Refused(503, f"waited {priority.max_wait_seconds:g} s in the "
+                               f"{priority.name} queue without a free replica", retry,
+                          "queue_timeout") from None
+        except asyncio.CancelledError:  # the client went away while waiting
+            if waiter.future.done():
+                self.release(name, finished=False)
+            else:
+                lane.waiting.remove(waiter)
+                waiter.future.cancel()
+            raise
+        return Ticket(name, position, estimated, time.monotonic() - now)
+
+    def release(self, name: str, *, finished: bool = True) -> None:
+        lane = self.lane(name)
+        lane.busy = max(0, lane.busy - 1)
+        if finished:
+            lane.finished.append(time.monotonic())
+        self.dispatch(lane)
+
+    def dispatch(self, lane: Lane) -> None:
+        """Let the best-ranked waiters take the free slots."""
+        if not lane.waiting or lane.busy >= lane.capacity:
+            return
+        now = time.monotonic()
+        aging = float(settings.GATEWAY_QUEUE_AGING_SECONDS)
+        lane.waiting.sort(key=lambda w: w.rank(now, aging))
+        while lane.waiting and lane.busy < lane.capacity:
+            waiter = lane.waiting.pop(0)
+            if waiter.future.done():  # cancelled meanwhile
+                continue
+            lane.busy += 1
+            waiter.future.set_result(None)
+
+
+def queued_gauge(lane: str, priority: str) -> Any:
+    from serving import metrics
+
+    return metrics.child(metrics.QUEUED, lane.split("|", 1)[0], priority)
+
+
+def retry_after_header(seconds: float) -> tuple[bytes, bytes]:
+    return (b"retry-after", str(min(3600, max(1, math.ceil(seconds)))).encode())

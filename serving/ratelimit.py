@@ -1,0 +1,189 @@
+"""Requests-per-minute and tokens-per-minute limits, per key and per team.
+
+Each limit is a GCRA bucket (the "generic cell rate algorithm"): one number per bucket, the
+time at which it is empty again (its theoretical arrival time, TAT). A limit of L per
+minute lets a unit through every 60/L s with a burst of up to L; a request of cost c moves
+the TAT on by c·60/L and is refused when that would put it more than 60 s ahead of now.
+The wait until it would fit is the Retry-After.
+
+A request is admitted only when every bucket it touches has room, and then it is charged
+to all of them at once: a refused request uses no budget. Completion tokens are charged
+when the response ends, whatever the room (a long answer delays the next requests).
+
+In memory for one process (the embedded default); in Redis when REDIS_URL is set, one Lua
+script per check so several gateway processes share one budget, timed by Redis's clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+WINDOW = 60.0  # seconds: limits are per minute
+REDIS_PREFIX = "fleetplane:rl:"
+
+
+@dataclass(frozen=True)
+class Limit:
+    kind: str  # "requests" or "tokens": which x-ratelimit-* headers it feeds
+    bucket: str  # e.g. "key:12:rpm"
+    per_minute: int
+    cost: float
+
+    @property
+    def interval(self) -> float:
+        return WINDOW / self.per_minute
+
+
+@dataclass
+class Verdict:
+    allowed: bool
+    retry_after: float = 0.0
+    # per limit: seconds of budget in use after this request (before it, when refused)
+    used: list[float] = field(default_factory=list)
+    limits: list[Limit] = field(default_factory=list)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """OpenAI's x-ratelimit-* headers, from the tightest limit of each kind."""
+        out: list[tuple[bytes, bytes]] = []
+        for kind in ("requests", "tokens"):
+            tightest: tuple[int, int, float] | None = None
+            for limit, used in zip(self.limits, self.used, strict=True):
+                if limit.kind != kind:
+                    continue
+                remaining = max(0, math.floor((WINDOW - used) / limit.interval + 1e-9))
+                if tightest is None or remaining < tightest[1]:
+                    tightest = (limit.per_minute, remaining, max(0.0, used))
+            if tightest is not None:
+                out += [(f"x-ratelimit-limit-{kind}".encode(), str(tightest[0]).encode()),
+                        (f"x-ratelimit-remaining-{kind}".encode(), str(tightest[1]).encode()),
+                        (f"x-ratelimit-reset-{kind}".encode(),
+                         f"{tightest[2]:.1f}s".encode())]
+        if not self.allowed:
+            out.append((b"retry-after", str(max(1, math.ceil(self.retry_after))).encode()))
+        return out
+
+
+def _step(stored: float | None, now: float, limit: Limit) -> float:
+    return max(stored or now, now) + limit.cost * limit.interval
+
+
+class MemoryLimiter:
+    """For one gateway process: the checks run on its event loop, so nothing interleaves."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[str, float] = {}
+
+    async def admit(self, limits: list[Limit], *, commit: bool = True) -> Verdict:
+        now = time.time()
+        after = [_step(self.buckets.get(limit.bucket), now, limit) for limit in limits]
+        worst = max((t - now - WINDOW for t in after), default=0.0)
+        if worst > 1e-9:
+            used = [max(self.buckets.get(limit.bucket, now), now) - now for limit in limits]
+            return Verdict(False, worst, used, limits)
+        if commit:
+            for limit, tat in zip(limits, after, strict=True):
+                self.buckets[limit.bucket] = tat
+            if len(self.buckets) > 200_000:
+                self.buckets = {k: v for k, v in self.buckets.items() if v > now}
+        return Verdict(True, 0.0, [t - now for t in after], limits)
+
+    async def charge(self, limits: list[Limit]) -> None:
+        now = time.time()
+        for limit in limits:
+            self.buckets[limit.bucket] = _step(self.buckets.get(limit.bucket), now, limit)
+
+
+# KEYS: the buckets. ARGV[1]: "admit", "peek" (check only) or "charge" (no check);
+# then per bucket its interval and cost. Returns {allowed, retry_after, used...}.
+SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local mode = ARGV[1]
+local stored, after = {}, {}
+local worst = 0
+for i = 1, #KEYS do
+  local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if tat < now then tat = now end
+  stored[i] = tat
+  after[i] = tat + tonumber(ARGV[2 * i + 1]) * tonumber(ARGV[2 * i])
+  if after[i] - now - 60 > worst then worst = after[i] - now - 60 end
+end
+if mode ~= 'charge' and worst > 1e-9 then
+  local out = {0, tostring(worst)}
+  for i = 1, #KEYS do out[#out + 1] = tostring(stored[i] - now) end
+  return out
+end
+local out = {1, '0'}
+for i = 1, #KEYS do
+  if mode ~= 'peek' then
+    redis.call('SET', KEYS[i], tostring(after[i]), 'PX',
+               math.ceil((after[i] - now) * 1000) + 1000)
+  end
+  out[#out + 1] = tostring(after[i] - now)
+end
+return out
+"""
+
+
+class RedisLimiter:
+    """Shared by every gateway process using the same Redis."""
+
+    def __init__(self, url: str) -> None:
+        import redis.asyncio as redis
+
+        self.connection: Any = redis.Redis.from_url(url)
+        self.script: Any = self.connection.register_script(SCRIPT)
+
+    async def _run(self, mode: str, limits: list[Limit]) -> Verdict:
+        args: list[Any] = [mode]
+        for limit in limits:
+            args += [repr(limit.interval), repr(float(limit.cost))]
+        result = await self.script(keys=[REDIS_PREFIX + limit.bucket for limit in limits],
+                                   args=args)
+        used = [float(v) for v in result[2:]]
+        return Verdict(bool(int(result[0])), float(result[1]), used, limits)
+
+    async def admit(self, limits: list[Limit], *, commit: bool = True) -> Verdict:
+        return await self._run("admit" if commit else "peek", limits)
+
+    async def charge(self, limits: list[Limit]) -> None:
+        await self._run("charge", limits)
+
+    async def close(self) -> None:
+        await self.connection.aclose()
+
+
+Limiter = MemoryLimiter | RedisLimiter
+
+
+def key_limits(info: Any, prompt_tokens: int) -> list[Limit]:
+    """The buckets a request with this key touches, at admission."""
+    limits = []
+    for owner, rpm, tpm in ((f"key:{info.key_id}", info.rpm, info.tpm),
+                            (f"team:{info.team_id}", info.team_rpm, info.team_tpm)):
+        if owner.endswith(":None"):
+            continue
+        if rpm:
+            limits.append(Limit("requests", f"{owner}:rpm", rpm, 1))
+        if tpm:
+            # A prompt larger than the whole budget is let in on an empty bucket (and
+            # the bucket then stays full for longer), not refused forever.
+            limits.append(Limit("tokens", f"{owner}:tpm", tpm,
+                                min(max(1, prompt_tokens), tpm)))
+    return limits
+
+
+def token_charges(info: Any, tokens: int) -> list[Limit]:
+    """The token buckets to charge once the response has ended."""
+    if tokens <= 0:
+        return []
+    return [Limit("tokens", f"{owner}:tpm", tpm, tokens)
+            for owner, tpm in ((f"key:{info.key_id}", info.tpm),
+                               (f"team:{info.team_id}", info.team_tpm))
+            if tpm and not owner.endswith(":None")]

@@ -1,0 +1,112 @@
+"""Rate-limit buckets (serving/ratelimit.py), in memory and in a real Redis: the budget per
+minute, the Retry-After, refused requests using no budget, completion tokens charged after
+the answer, and one budget shared by two limiters on the same Redis (as two gateway
+processes would)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from serving.ratelimit import Limit, MemoryLimiter, RedisLimiter, key_limits, token_charges
+from tests.serving.conftest import flush_redis_budgets
+
+REDIS = "redis://127.0.0.1:6379/7"
+
+
+def limiters() -> list[str]:
+    return ["memory", "redis"]
+
+
+def make(kind: str) -> MemoryLimiter | RedisLimiter:
+    return MemoryLimiter() if kind == "memory" else RedisLimiter(REDIS)
+
+
+def bucket() -> str:
+    return f"test:{uuid.uuid4().hex}"
+
+
+@pytest.mark.parametrize("kind", limiters())
+def test_two_requests_a_minute_then_a_retry_after(kind: str) -> None:
+    async def run() -> None:
+        limiter = make(kind)
+        rpm = [Limit("requests", bucket(), 2, 1)]
+        first, second, third = [await limiter.admit(rpm) for _ in range(3)]
+        assert first.allowed and second.allowed and not third.allowed
+        assert 29 <= third.retry_after <= 30.5
+        headers = dict(third.headers())
+        assert headers[b"retry-after"] == b"30"
+        assert headers[b"x-ratelimit-limit-requests"] == b"2"
+        assert headers[b"x-ratelimit-remaining-requests"] == b"0"
+        assert dict(first.headers())[b"x-ratelimit-remaining-requests"] == b"1"
+        if isinstance(limiter, RedisLimiter):
+            await limiter.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", limiters())
+def test_a_refused_request_uses_no_budget_of_any_bucket(kind: str) -> None:
+    async def run() -> None:
+        limiter = make(kind)
+        key, team = bucket(), bucket()
+        assert (await limiter.admit([Limit("requests", team, 1, 1)])).allowed  # team spent
+        both = [Limit("requests", key, 5, 1), Limit("requests", team, 1, 1)]
+        assert not (await limiter.admit(both)).allowed
+        # The key's own budget was not touched by the refused request: 5 left.
+        alone = [Limit("requests", key, 5, 1)]
+        verdicts = [await limiter.admit(alone) for _ in range(6)]
+        assert [v.allowed for v in verdicts] == [True] * 5 + [False]
+        if isinstance(limiter, RedisLimiter):
+            await limiter.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", limiters())
+def test_completion_tokens_are_charged_after_the_answer(kind: str) -> None:
+    async def run() -> None:
+        limiter = make(kind)
+        tokens = bucket()
+        assert (await limiter.admit([Limit("tokens", tokens, 1000, 100)])).allowed
+        await limiter.charge([Limit("tokens", tokens, 1000, 950)])  # a long answer
+        refused = await limiter.admit([Limit("tokens", tokens, 1000, 100)])
+        assert not refused.allowed
+        # 1050 of 1000 used: 150 tokens' worth (9 s) must pass before 100 more fit.
+        assert 8.5 <= refused.retry_after <= 9.5
+        assert dict(refused.headers())[b"x-ratelimit-remaining-tokens"] == b"0"
+        if isinstance(limiter, RedisLimiter):
+            await limiter.close()
+
+    asyncio.run(run())
+
+
+def test_two_limiters_on_one_redis_share_one_budget() -> None:
+    async def run() -> None:
+        flush_redis_budgets(REDIS)
+        first, second = RedisLimiter(REDIS), RedisLimiter(REDIS)
+        rpm = [Limit("requests", bucket(), 3, 1)]
+        verdicts = [await first.admit(rpm), await second.admit(rpm), await first.admit(rpm),
+                    await second.admit(rpm)]
+        assert [v.allowed for v in verdicts] == [True, True, True, False]
+        await first.close()
+        await second.close()
+
+    asyncio.run(run())
+
+
+def test_the_buckets_of_a_key_and_its_team() -> None:
+    from serving.keys import KeyInfo
+
+    info = KeyInfo(7, "k", "inference", (), rpm=10, tpm=None, team_id=3, team_rpm=100,
+                   team_tpm=5000)
+    limits = key_limits(info, prompt_tokens=40)
+    assert [(lim.bucket, lim.per_minute, lim.cost) for lim in limits] == [
+        ("key:7:rpm", 10, 1), ("team:3:rpm", 100, 1), ("team:3:tpm", 5000, 40)]
+    # A prompt larger than the whole budget is admitted on an empty bucket.
+    assert key_limits(info, prompt_tokens=9000)[-1].cost == 5000
+    assert [lim.bucket for lim in token_charges(info, 12)] == ["team:3:tpm"]
+    assert token_charges(info, 0) == []
+    assert key_limits(KeyInfo(8, "free", "inference", ()), 10) == []

@@ -1,0 +1,237 @@
+"""Keys, budgets and priorities at the gateway, with the official `openai` client (and
+httpx where headers are read) in front of FAKE engines: per-key and per-team limits with
+429 + Retry-After + x-ratelimit-* headers, the same 401 for every kind of bad key, the
+failed-attempt limit per address, priority classes and the queue when replicas are full,
+context pools, and the priority handed to engines that schedule by it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from django.utils import timezone
+
+from serving.models import ApiKey
+from serving.services import create_api_key, create_team, revoke_api_key
+from tests.serving.conftest import FakeEngine, publish
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+Engines = Callable[..., FakeEngine]
+BODY = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+
+
+def client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def post(url: str, key: str, body: dict[str, Any] | None = None,
+         headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body or BODY, timeout=30,
+                      headers={"Authorization": f"Bearer {key}", **(headers or {})})
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_key_with_two_requests_a_minute_gets_429_on_the_third(
+        gateway_url: str, fake_engines: Engines) -> None:
+    publish("demo", [fake_engines("demo-1")])
+    _, key = create_api_key("tight", "inference", rpm=2)
+    first, second = post(gateway_url, key), post(gateway_url, key)
+    assert first.status_code == second.status_code == 200
+    assert first.headers["x-ratelimit-limit-requests"] == "2"
+    assert first.headers["x-ratelimit-remaining-requests"] == "1"
+    with pytest.raises(openai.RateLimitError) as refused:
+        client(gateway_url, key).completions.create(model="fake", prompt="hi", max_tokens=2)
+    response = refused.value.response
+    assert 29 <= int(response.headers["retry-after"]) <= 31
+    assert response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert response.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_a_team_budget_is_shared_by_its_keys(gateway_url: str,
+                                             fake_engines: Engines) -> None:
+    publish("demo", [fake_engines("demo-1")])
+    create_team("search", rpm=3)
+    _, first = create_api_key("a", "inference", team="search")
+    _, second = create_api_key("b", "inference", team="search", rpm=100)
+    codes = [post(gateway_url, k).status_code for k in (first, second, first, second)]
+    assert codes == [200, 200, 200, 429]
+
+
+def test_tokens_per_minute_count_the_prompt_then_the_completion(
+        gateway_url: str, fake_engines: Engines) -> None:
+    publish("demo", [fake_engines("demo-1")])
+    _, key = create_api_key("tokens", "inference", tpm=100)
+    answer = post(gateway_url, key, {"model": "fake", "prompt": "x" * 40, "max_tokens": 80})
+    assert answer.status_code == 200
+    assert answer.headers["x-ratelimit-remaining-tokens"] == "90"  # 10 estimated
+    time.sleep(0.2)  # the 80 completion tokens are charged once the answer has ended
+    refused = post(gateway_url, key, {"model": "fake", "prompt": "x" * 80, "max_tokens": 1})
+    assert refused.status_code == 429
+    assert int(refused.headers["retry-after"]) >= 5
+
+
+def test_every_bad_key_gets_the_same_401(gateway_url: str, fake_engines: Engines) -> None:
+    publish("demo", [fake_engines("demo-1")])
+    record, revoked = create_api_key("revoked", "inference")
+    revoke_api_key(record)
+    expiring, expired = create_api_key("expired", "inference",
+                                       expires_at=timezone.now() + timedelta(seconds=1))
+    _, good = create_api_key("good", "inference")
+    assert post(gateway_url, expired).status_code == 200
+    ApiKey.objects.filter(pk=expiring.pk).update(expires_at=timezone.now())
+    from serving import keys
+
+    keys.clear_cache()  # what a save does; the update above skips the signal
+    answers = [post(gateway_url, k) for k in (
+        revoked, expired, "fp-" + "A" * 43, good[:-3], good + "x", "not-even-close")]
+    assert [a.status_code for a in answers] == [401] * 6
+    assert len({a.text for a in answers}) == 1  # nothing says which case it was
+    assert post(gateway_url, good).status_code == 200
+
+
+def test_an_address_that_keeps_failing_is_held_off(gateway_url: str, settings: Any,
+                                                   fake_engines: Engines) -> None:
+    publish("demo", [fake_engines("demo-1")])
+    settings.GATEWAY_AUTH_FAILURES_PER_MINUTE = 3
+    _, good = create_api_key("good", "inference")
+    codes = [post(gateway_url, f"fp-guess{n}").status_code for n in range(5)]
+    assert codes == [401, 401, 401, 429, 429]
+    held = post(gateway_url, good)  # the address is held off, whatever the key
+    assert held.status_code == 429 and int(held.headers["retry-after"]) >= 1
+    assert held.json()["error"]["code"] == "too_many_auth_failures"
+
+
+def test_a_key_may_ask_for_a_lower_priority_but_not_a_higher_one(
+        gateway_url: str, fake_engines: Engines) -> None:
+    publish("demo", [fake_engines("demo-1")])
+    _, key = create_api_key("standard", "inference", priority="standard")
+    assert post(gateway_url, key, headers={"X-Priority": "batch"}).status_code == 200
+    higher = post(gateway_url, key, headers={"X-Priority": "critical"})
+    assert higher.status_code == 403
+    assert higher.json()["error"]["code"] == "priority_not_allowed"
+    unknown = post(gateway_url, key, headers={"X-Priority": "urgent!!"})
+    assert unknown.status_code == 400 and "critical, standard, batch" in unknown.text
+
+
+def test_when_replicas_are_full_requests_queue_by_priority(
+        gateway_url: str, fake_engines: Engines) -> None:
+    # One replica taking one request at a time; each answer takes about 0.3 s.
+    publish("demo", [fake_engines("demo-1", interval_ms=15)], replica_concurrency=1)
+    _, batch = create_api_key("batch", "inference", priority="batch")
+    _, critical = create_api_key("critical", "inference", priority="critical")
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 20}
+    finished: list[tuple[str, httpx.Response]] = []
+
+    def send(name: str, key: str) -> None:
+        finished.append((name, post(gateway_url, key, body)))
+
+    from serving.gateway import gateway
+
+    def waiting(count: int) -> Callable[[], bool]:
+        return lambda: sum(gateway.admission.queued("demo").values()) == count
+
+    threads = [threading.Thread(target=send, args=("batch-0", batch))]
+    threads[0].start()
+    wait_until(lambda: gateway.admission.lane("demo|all").busy == 1)  # it holds the slot
+    for count, (name, key) in enumerate((("batch-1", batch), ("batch-2", batch),
+                                         ("critical", critical)), start=1):
+        threads.append(threading.Thread(target=send, args=(name, key)))
+        threads[-1].start()
+        wait_until(waiting(count))  # in the queue, in this order
+    for thread in threads:
+        thread.join(timeout=30)
+    order = [name for name, _ in finished]
+    assert order == ["batch-0", "critical", "batch-1", "batch-2"]
+    answers = dict(finished)
+    assert all(a.status_code == 200 for a in answers.values())
+    assert answers["batch-0"].headers["x-queue-position"] == "0"
+    assert answers["critical"].headers["x-queue-position"] == "1"  # ahead of both batch
+    assert answers["batch-2"].headers["x-queue-position"] == "2"
+    assert int(answers["batch-2"].headers["x-queue-wait-ms"]) > 400
+
+
+def test_a_full_queue_answers_429_and_a_long_wait_503(
+        gateway_url: str, fake_engines: Engines, settings: Any) -> None:
+    from serving.priority import parse_classes
+
+    settings.PRIORITY_CLASSES = parse_classes(
+        '{"standard": {"level": 10, "max_queued": 1, "max_wait_seconds": 0.5}}')
+    publish("demo", [fake_engines("demo-1", interval_ms=100)], replica_concurrency=1)
+    _, key = create_api_key("k", "inference")
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 20}  # about 2 s each
+    answers: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda: answers.append(post(gateway_url, key, body)))
+               for _ in range(2)]
+    from serving.gateway import gateway
+
+    threads[0].start()  # one runs
+    wait_until(lambda: gateway.admission.lane("demo|all").busy == 1)
+    threads[1].start()  # one waits
+    wait_until(lambda: gateway.admission.queued("demo") == {"standard": 1})
+    full = post(gateway_url, key, body)
+    assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+    assert int(full.headers["retry-after"]) >= 1
+    for thread in threads:
+        thread.join(timeout=30)
+    codes = sorted(a.status_code for a in answers)
+    assert codes == [200, 503]  # the waiter gave up after 0.5 s
+    timed_out = next(a for a in answers if a.status_code == 503)
+    assert timed_out.json()["error"]["code"] == "queue_timeout"
+    assert "retry-after" in timed_out.headers
+
+
+def test_long_prompts_go_to_the_long_context_pool(gateway_url: str,
+                                                  fake_engines: Engines) -> None:
+    short, long = fake_engines("demo-short"), fake_engines("demo-long")
+    publish("demo", [short, long], long_prompt_tokens=100, long_replicas=("demo-long",))
+    _, key = create_api_key("k", "inference")
+    for _ in range(3):
+        assert post(gateway_url, key).status_code == 200
+    assert post(gateway_url, key, {"model": "fake", "prompt": "word " * 200,
+                                   "max_tokens": 2}).status_code == 200
+    assert short.metric("fake:requests_total") == 3
+    assert long.metric("fake:requests_total") == 1
+
+
+def test_engines_scheduling_by_priority_receive_the_level(gateway_url: str,
+                                                          fake_engines: Engines) -> None:
+    engine = fake_engines("demo-1")
+    publish("demo", [engine], priority_scheduling=True)
+    _, key = create_api_key("k", "inference", priority="critical")
+    assert post(gateway_url, key).status_code == 200
+    assert post(gateway_url, key, headers={"X-Priority": "batch"}).status_code == 200
+    assert engine.metric('fake:requests_by_priority_total{priority="0"}') == 1
+    assert engine.metric('fake:requests_by_priority_total{priority="20"}') == 1
+
+
+def test_usage_totals_add_up_on_the_key(gateway_url: str, fake_engines: Engines,
+                                        settings: Any) -> None:
+    settings.USAGE_FLUSH_SECONDS = 0.1
+    publish("demo", [fake_engines("demo-1")])
+    record, key = create_api_key("counted", "inference")
+    for _ in range(3):
+        assert post(gateway_url, key).status_code == 200
+
+    def totals() -> tuple[int, int, int]:
+        record.refresh_from_db()
+        return (record.requests_total, record.prompt_tokens_total,
+                record.completion_tokens_total)
+
+    deadline = time.monotonic() + 10
+    while totals() != (3, 15, 6) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert totals() == (3, 15, 6)
+    assert record.last_used_at is not None
