@@ -22,27 +22,25 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from controlplane import collector as collector_module
+from controlplane.roles import has_role
 
 logger = logging.getLogger(__name__)
 
 MAX_GENERATIONS = 2  # the playground's side-by-side mode runs two at once
 
 
-def can_view(user: Any) -> bool:
-    """Who may see deployments, their dashboards and the playground."""
-    return bool(user and user.is_authenticated and user.is_active and (
-        user.is_staff or user.has_perm("controlplane.view_deployment")))
-
-
 class GuardedConsumer(AsyncWebsocketConsumer):
-    """Authentication, limits and task bookkeeping shared by every socket."""
+    """Authentication, the role (controlplane/roles.py), limits and task bookkeeping
+    shared by every socket."""
+
+    role = "viewer"
 
     async def connect(self) -> None:
         user = self.scope.get("user")
         if not user or not user.is_authenticated:
             await self.close(code=4401)
             return
-        if not await database_sync_to_async(can_view)(user):
+        if not await database_sync_to_async(has_role)(user, self.role):
             await self.close(code=4403)
             return
         self.tasks: set[asyncio.Task[None]] = set()
@@ -213,6 +211,8 @@ class PlaygroundConsumer(GuardedConsumer):
           "top_p", "max_tokens", "seed"} and {"type": "stop", "id"}
     Out: "started", "token" (text), "done" (stats), "stopped", "error"
     """
+
+    role = "operator"  # it runs inference on the fleet
 
     async def opened(self) -> None:
         self.running: dict[str, asyncio.Task[None]] = {}

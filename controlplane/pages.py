@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import messages
-from django.contrib.admin.views.decorators import staff_member_required
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import path
@@ -16,6 +16,7 @@ from rest_framework.exceptions import ValidationError
 from controlplane import services
 from controlplane.forms import DeploymentForm, ScaleForm
 from controlplane.models import AuditEvent, Deployment, Replica
+from controlplane.roles import has_role, role_required
 
 
 def first_error(exc: ValidationError) -> str:
@@ -30,9 +31,11 @@ def first_error(exc: ValidationError) -> str:
     return str(detail)
 
 
-@staff_member_required(login_url="login")
+@role_required("viewer")
 def deployment_list(request: HttpRequest) -> HttpResponse:
     form = DeploymentForm(request.POST or None)
+    if request.method == "POST" and not has_role(request.user, "operator"):
+        raise PermissionDenied("creating a deployment needs the operator role")
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
         try:
@@ -54,7 +57,7 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
                   {"deployments": deployments, "form": form})
 
 
-@staff_member_required(login_url="login")
+@role_required("viewer")
 def deployment_detail(request: HttpRequest, name: str) -> HttpResponse:
     deployment = get_object_or_404(Deployment.objects.select_related("model", "backend"),
                                    name=name)
@@ -67,7 +70,7 @@ def deployment_detail(request: HttpRequest, name: str) -> HttpResponse:
     })
 
 
-@staff_member_required(login_url="login")
+@role_required("operator")
 @require_POST
 def deployment_action(request: HttpRequest, name: str, verb: str) -> HttpResponse:
     deployment = get_object_or_404(Deployment, name=name)

@@ -19,6 +19,7 @@ urlpatterns = [
     path("api/v1/", include("controlplane.api.urls")),
     path("deployments/", include("controlplane.pages")),
     path("", include("controlplane.live")),
+    path("", include("controlplane.access")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
 ]

@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
@@ -62,9 +63,30 @@ def validate_name(name: str) -> None:
         raise ModelSourceError("name", f"a model named {name!r} already exists")
 
 
-def register_model(spec: ModelSpec, *, import_in_background: bool = True) -> Model:
+def register_model(spec: ModelSpec, *, import_in_background: bool = True,
+                   actor: str = "system") -> Model:
     """Register a model. Local folders are ready at once; GGUF files are converted (in a
-    background thread unless told otherwise); Hugging Face ids are recorded."""
+    background thread unless told otherwise); Hugging Face ids are recorded. The audit
+    log records who registered it."""
+    model = _register(spec, import_in_background)
+    _audit(actor, "model-registered", f"model {model.name} registered ({model.source})",
+           after=model_summary(model))
+    return model
+
+
+def model_summary(model: Model) -> dict[str, Any]:
+    return {"name": model.name, "source": model.source, "source_uri": model.source_uri,
+            "path": model.path, "status": model.status, "revision": model.revision}
+
+
+def _audit(actor: str, action: str, message: str, before: Any = None,
+           after: Any = None) -> None:
+    from controlplane.services import audit
+
+    audit(actor, action, None, message, before=before, after=after)
+
+
+def _register(spec: ModelSpec, import_in_background: bool) -> Model:
     validate_name(spec.name)
     if spec.source == Model.Source.LOCAL:
         folder = Path(spec.uri).expanduser()
@@ -203,13 +225,15 @@ def recover_interrupted_imports() -> int:
     return marked
 
 
-def delete_model(model: Model) -> None:
+def delete_model(model: Model, *, actor: str = "system") -> None:
     if model.status == Model.Status.IMPORTING:
         raise ModelConflictError(f"model {model.name} is importing; wait for it to finish")
+    before = model_summary(model)
     managed_root = Path(settings.MODELS_DIR).resolve()
     folder = Path(model.path).resolve() if model.path else None
     with transaction.atomic():
         model.delete()
+        _audit(actor, "model-deleted", f"model {before['name']} deleted", before=before)
         # Only folders the registry wrote itself are removed; a registered local folder
         # belongs to its owner.
         if folder is not None and folder.parent == managed_root and model.source == "gguf":

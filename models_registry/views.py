@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import messages
-from django.contrib.admin.views.decorators import staff_member_required
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 
+from controlplane.roles import has_role, role_required
 from models_registry import services
 from models_registry.capacity import DEFAULT_SEQUENCE_LENGTH, MEMORY_PRESETS_GIB
 from models_registry.capacity_report import CapacityUnknownError, model_capacity
@@ -18,15 +19,17 @@ from models_registry.importers import ModelSourceError
 from models_registry.models import Model
 
 
-@staff_member_required(login_url="login")
+@role_required("viewer")
 def model_list(request: HttpRequest) -> HttpResponse:
     form = RegisterModelForm(request.POST or None)
+    if request.method == "POST" and not has_role(request.user, "operator"):
+        raise PermissionDenied("registering a model needs the operator role")
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
         spec = services.ModelSpec(name=data["name"], source=data["source"],
                                   uri=data["location"], display_name=data["display_name"])
         try:
-            model = services.register_model(spec)
+            model = services.register_model(spec, actor=request.user.get_username())
         except ModelSourceError as exc:
             form.add_error("location" if exc.field in ("path", "hf_id") else exc.field,
                            exc.message)
@@ -46,7 +49,7 @@ def model_list(request: HttpRequest) -> HttpResponse:
     })
 
 
-@staff_member_required(login_url="login")
+@role_required("viewer")
 def model_detail(request: HttpRequest, name: str) -> HttpResponse:
     model = get_object_or_404(Model, name=name)
     form = CapacityForm(request.GET or None)
@@ -65,12 +68,12 @@ def model_detail(request: HttpRequest, name: str) -> HttpResponse:
     })
 
 
-@staff_member_required(login_url="login")
+@role_required("operator")
 def model_delete(request: HttpRequest, name: str) -> HttpResponse:
     model = get_object_or_404(Model, name=name)
     if request.method == "POST":
         try:
-            services.delete_model(model)
+            services.delete_model(model, actor=request.user.get_username())
         except services.ModelConflictError as exc:
             messages.error(request, str(exc))
             return redirect("model-page", name=name)

@@ -1,19 +1,16 @@
 """REST API authentication: `Authorization: Bearer <key>` for automation, the session for
-the browser. Admin endpoints need an admin-scope key or a staff user."""
+the browser. What each caller may do is controlplane/roles.py's: an admin-scope key acts
+as an admin."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from rest_framework import authentication, exceptions, permissions
+from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
 from serving.models import ApiKey
 from serving.services import find_active_key
-
-if TYPE_CHECKING:  # rest_framework.views imports this module through the API settings
-    from rest_framework.views import APIView
 
 
 @dataclass(frozen=True)
@@ -52,16 +49,8 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
             raise exceptions.AuthenticationFailed("Authorization: Bearer needs a key")
         record = find_active_key(key)
         if record is None:
-            raise exceptions.AuthenticationFailed("invalid or revoked API key")
+            raise exceptions.AuthenticationFailed("invalid, expired or revoked API key")
         return ApiKeyPrincipal(record), record
 
     def authenticate_header(self, request: Request) -> str:
         return self.keyword
-
-
-class IsAdmin(permissions.BasePermission):
-    message = "this endpoint needs an admin-scope API key or a staff login"
-
-    def has_permission(self, request: Request, view: APIView) -> bool:
-        user = request.user
-        return bool(user is not None and user.is_authenticated and user.is_staff)

@@ -14,6 +14,7 @@ from controlplane.services import DeploymentError
 from models_registry.capacity_report import CapacityUnknownError
 from models_registry.importers import ModelSourceError
 from models_registry.services import ModelConflictError
+from serving.services import KeyRequestError
 
 
 class Conflict(exceptions.APIException):
@@ -24,6 +25,8 @@ class Conflict(exceptions.APIException):
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, ModelSourceError):
         exc = exceptions.ValidationError({exc.field: [exc.message]})
+    elif isinstance(exc, KeyRequestError):
+        exc = exceptions.ValidationError({exc.field: [str(exc)]})
     elif isinstance(exc, DeploymentError):
         exc = exceptions.ValidationError({exc.field: [exc.message]})
     elif isinstance(exc, BackendConfigError):

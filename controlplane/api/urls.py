@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from rest_framework.routers import SimpleRouter
 
+from controlplane.api.tenancy import ApiKeyViewSet, TeamViewSet, UserViewSet
 from controlplane.api.views import (
     BackendViewSet,
     DeploymentViewSet,
@@ -14,4 +15,7 @@ router.register("backends", BackendViewSet, basename="backend")
 router.register("deployments", DeploymentViewSet, basename="deployment")
 router.register("replicas", ReplicaViewSet, basename="replica")
 router.register("events", EventViewSet, basename="event")
+router.register("keys", ApiKeyViewSet, basename="key")
+router.register("teams", TeamViewSet, basename="team")
+router.register("users", UserViewSet, basename="user")
 urlpatterns = router.urls

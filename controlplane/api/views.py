@@ -40,6 +40,7 @@ class BackendViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
     queryset = Backend.objects.all()
     serializer_class = BackendSerializer
     lookup_field = "name"
+    read_role, write_role = "operator", "admin"
 
     def perform_create(self, serializer: serializers.BaseSerializer) -> None:
         data = serializer.validated_data
@@ -128,6 +129,7 @@ class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
 
     serializer_class = ReplicaSerializer
     lookup_field = "name"
+    action_roles = {"logs": "operator"}
 
     def get_queryset(self) -> QuerySet[Replica]:
         queryset = Replica.objects.select_related("deployment", "deployment__backend")
@@ -171,11 +173,18 @@ async def follow_log(path: Path, tail: list[str]) -> AsyncIterator[bytes]:
 
 
 class EventViewSet(viewsets.ReadOnlyModelViewSet):
-    """What changed and what the controllers did; filter with `?deployment=<name>`."""
+    """The audit log (admins): what changed, who changed it, before and after, and what
+    the controllers did. Filter with `?deployment=<name>`, `?action=<action>` (e.g.
+    key-created, user-role-changed, model-deleted), `?actor=<name>`."""
 
     serializer_class = AuditEventSerializer
+    read_role = "admin"
 
     def get_queryset(self) -> QuerySet[AuditEvent]:
         queryset = AuditEvent.objects.select_related("deployment")
-        deployment = self.request.query_params.get("deployment")
-        return queryset.filter(deployment__name=deployment) if deployment else queryset
+        for name, field in (("deployment", "deployment__name"), ("action", "action"),
+                            ("actor", "actor")):
+            value = self.request.query_params.get(name)
+            if value:
+                queryset = queryset.filter(**{field: value})
+        return queryset

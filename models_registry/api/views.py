@@ -17,6 +17,12 @@ from models_registry.capacity_report import model_capacity
 from models_registry.models import Model
 
 
+def actor_of(request: Request) -> str:
+    from controlplane.api.views import actor_of as who
+
+    return who(request)
+
+
 class ModelViewSet(
     mixins.ListModelMixin,
     mixins.RetrieveModelMixin,
@@ -49,13 +55,13 @@ class ModelViewSet(
             display_name=data.get("display_name", ""), revision=data.get("revision", ""),
             license=data.get("license", ""),
         )
-        model = services.register_model(spec)
+        model = services.register_model(spec, actor=actor_of(request))
         code = status.HTTP_202_ACCEPTED if model.status == Model.Status.IMPORTING else \
             status.HTTP_201_CREATED
         return Response(ModelSerializer(model).data, status=code)
 
     def perform_destroy(self, instance: Model) -> None:
-        services.delete_model(instance)
+        services.delete_model(instance, actor=actor_of(self.request))
 
     @extend_schema(
         parameters=[CapacityQuerySerializer],

@@ -13,7 +13,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from asgiref.testing import ApplicationCommunicator
 from channels.routing import URLRouter
-from django.contrib.auth.models import AnonymousUser, Permission, User
+from django.contrib.auth.models import AnonymousUser, Group, User
 
 from controlplane.asgi import websocket_urlpatterns
 from serving.models import UsageRecord
@@ -75,12 +75,12 @@ def socket_settings(settings: Any) -> None:
 
 
 async def make_user(name: str = "ada", *, staff: bool = True,
-                    permission: bool = False) -> User:
+                    role: str | None = None) -> User:
     def create() -> User:
         user = User.objects.create_user(name, password="pw", is_staff=staff)
-        if permission:
-            user.user_permissions.add(Permission.objects.get(codename="view_deployment"))
-            user = User.objects.get(pk=user.pk)  # a fresh permission cache
+        if role:
+            user.groups.add(Group.objects.get(name=role))
+            user = User.objects.get(pk=user.pk)
         return user
 
     return await sync_to_async(create)()
@@ -111,13 +111,19 @@ async def receive_until(communicator: WebsocketCommunicator, kind: str,
             return seen
 
 
-async def test_only_logged_in_users_who_may_see_deployments_connect() -> None:
+async def test_each_socket_checks_the_role() -> None:
     _, connected, code = await connect("/ws/playground/", AnonymousUser())
     assert not connected and code == 4401
     _, connected, code = await connect("/ws/dashboard/", await make_user("bo", staff=False))
-    assert not connected and code == 4403
-    viewer = await make_user("cy", staff=False, permission=True)
+    assert not connected and code == 4403  # logged in, no role
+    viewer = await make_user("cy", staff=False, role="viewer")
     communicator, connected, _ = await connect("/ws/dashboard/", viewer)
+    assert connected
+    await communicator.disconnect()
+    _, connected, code = await connect("/ws/playground/", viewer)
+    assert not connected and code == 4403  # the playground runs inference: operator
+    operator = await make_user("di", staff=False, role="operator")
+    communicator, connected, _ = await connect("/ws/playground/", operator)
     assert connected
     await communicator.disconnect()
 

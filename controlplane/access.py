@@ -1,0 +1,158 @@
+"""Admin pages for access: API keys (created with the secret shown once, revoked), teams
+and their budgets, users and their roles. Everything here is audited (the services do it)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django import forms
+from django.contrib import messages
+from django.contrib.auth import get_user_model
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import path
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from controlplane.roles import ROLES, role_of, role_required, set_role
+from serving import services
+from serving.models import ApiKey, Team
+from serving.priority import DEFAULT_CLASS, classes
+
+
+def _limit(required: bool = False) -> forms.IntegerField:
+    return forms.IntegerField(min_value=1, required=required, help_text="per minute; empty: none")
+
+
+class KeyForm(forms.Form):
+    name = forms.CharField(max_length=100)
+    scope = forms.ChoiceField(choices=ApiKey.Scope.choices, initial=ApiKey.Scope.INFERENCE)
+    team = forms.ModelChoiceField(queryset=Team.objects.all(), to_field_name="name",
+                                  required=False)
+    models = forms.CharField(required=False, help_text="comma-separated; empty: all")
+    priority = forms.ChoiceField(choices=[], initial=DEFAULT_CLASS)
+    rpm = _limit()
+    tpm = _limit()
+    expires_days = forms.IntegerField(label="Expires in (days)", min_value=1, max_value=3650,
+                                      required=False,
+                                      help_text="days; empty: never")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["priority"].choices = [  # type: ignore[attr-defined]
+            (name, f"{name} ({c.level})") for name, c in classes().items()]
+
+
+class TeamForm(forms.Form):
+    name = forms.CharField(max_length=100)
+    rpm = _limit()
+    tpm = _limit()
+
+
+class UserForm(forms.Form):
+    username = forms.RegexField(r"^[\w.@+-]{1,150}$", max_length=150)
+    role = forms.ChoiceField(choices=[(r, r) for r in ROLES], initial="viewer")
+
+
+def actor(request: HttpRequest) -> str:
+    return request.user.get_username()
+
+
+@role_required("admin")
+def keys_page(request: HttpRequest) -> HttpResponse:
+    key_form = KeyForm(request.POST if request.POST.get("form") == "key" else None)
+    team_form = TeamForm(request.POST if request.POST.get("form") == "team" else None)
+    # Shown once: kept in the session across the redirect after the form, then dropped.
+    secret = request.session.pop("new_key", None) if request.method == "GET" else None
+    if request.method == "POST" and key_form.is_bound and key_form.is_valid():
+        data = key_form.cleaned_data
+        try:
+            record, secret = services.create_api_key(
+                data["name"], data["scope"], team=data["team"].name if data["team"] else None,
+                models=[m for m in data["models"].split(",") if m.strip()],
+                priority=data["priority"], rpm=data["rpm"], tpm=data["tpm"],
+                expires_at=timezone.now() + timedelta(days=data["expires_days"])
+                if data["expires_days"] else None, actor=actor(request))
+        except services.KeyRequestError as exc:
+            key_form.add_error(None, f"{exc.field}: {exc}")
+        else:
+            messages.success(request, f"Key {record.name} created.")
+            request.session["new_key"] = secret
+            return redirect("keys")
+    if request.method == "POST" and team_form.is_bound and team_form.is_valid():
+        data = team_form.cleaned_data
+        try:
+            team = services.create_team(data["name"], rpm=data["rpm"], tpm=data["tpm"],
+                                        actor=actor(request))
+        except services.KeyRequestError as exc:
+            team_form.add_error(None, f"{exc.field}: {exc}")
+        else:
+            messages.success(request, f"Team {team.name} created.")
+            return redirect("keys")
+    return render(request, "controlplane/keys.html", {
+        "keys": ApiKey.objects.select_related("team", "user"),
+        "teams": Team.objects.all(), "key_form": key_form, "team_form": team_form,
+        "secret": secret})
+
+
+@role_required("admin")
+@require_POST
+def revoke_key(request: HttpRequest, pk: int) -> HttpResponse:
+    record = get_object_or_404(ApiKey, pk=pk)
+    services.revoke_api_key(record, actor=actor(request))
+    messages.success(request, f"Key {record.name} ({record.prefix}…) revoked.")
+    return redirect("keys")
+
+
+@role_required("admin")
+def users_page(request: HttpRequest) -> HttpResponse:
+    import secrets
+
+    from controlplane.services import audit
+
+    form = UserForm(request.POST or None)
+    created = request.session.pop("new_user", None) if request.method == "GET" else None
+    if request.method == "POST" and form.is_valid():
+        users = get_user_model()
+        name = form.cleaned_data["username"]
+        if users.objects.filter(username=name).exists():
+            form.add_error("username", f"a user named {name!r} already exists")
+        else:
+            password = secrets.token_urlsafe(12)  # shown once, on the next page
+            user = users.objects.create_user(name, password=password)
+            audit(actor(request), "user-created", None, f"user {name} created",
+                  after={"username": name, "is_active": True})
+            set_role(user, form.cleaned_data["role"], actor=actor(request))
+            messages.success(request, f"User {name} created.")
+            request.session["new_user"] = [name, password]
+            return redirect("users")
+    rows = [(user, role_of(user)) for user in
+            get_user_model().objects.prefetch_related("groups").order_by("username")]
+    return render(request, "controlplane/users.html", {
+        "rows": rows, "form": form, "roles": ROLES,
+        "new_user": created[0] if created else None,
+        "password": created[1] if created else None})
+
+
+@role_required("admin")
+@require_POST
+def change_role(request: HttpRequest, username: str) -> HttpResponse:
+    user = get_object_or_404(get_user_model(), username=username)
+    role = request.POST.get("role", "")
+    if user.is_superuser:
+        messages.error(request, f"{username} is a superuser: always an admin.")
+    elif role not in (*ROLES, "none"):
+        messages.error(request, f"unknown role {role!r}")
+    else:
+        set_role(user, None if role == "none" else role, actor=actor(request))
+        messages.success(request, f"{username} is now {role}.")
+    return redirect("users")
+
+
+urlpatterns = [
+    path("keys/", keys_page, name="keys"),
+    path("keys/<int:pk>/revoke/", revoke_key, name="key-revoke"),
+    path("users/", users_page, name="users"),
+    path("users/<str:username>/role/", change_role, name="user-role"),
+]

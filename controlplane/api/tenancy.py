@@ -1,0 +1,202 @@
+"""Keys, teams and users through the REST API (admins only). A key's secret is in the
+answer to its creation, once; lists show its prefix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.db import transaction
+from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from controlplane.api.views import actor_of
+from controlplane.roles import ROLES, role_of, set_role
+from serving import services
+from serving.models import ApiKey, Team
+
+
+class ApiKeySerializer(serializers.ModelSerializer):
+    team: serializers.SlugRelatedField[Team] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True)
+    user: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="username", read_only=True)
+    models = serializers.ListField(source="allowed_models", read_only=True)
+    rpm = serializers.IntegerField(source="rpm_limit", read_only=True)
+    tpm = serializers.IntegerField(source="tpm_limit", read_only=True)
+    active = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ApiKey
+        fields = ["id", "name", "prefix", "scope", "team", "user", "models", "priority",
+                  "rpm", "tpm", "expires_at", "created_at", "revoked_at", "active",
+                  "requests_total", "prompt_tokens_total", "completion_tokens_total",
+                  "last_used_at"]
+        read_only_fields = fields
+
+    def get_active(self, record: ApiKey) -> bool:
+        return record.is_active()
+
+
+class ApiKeyCreateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=100)
+    scope = serializers.ChoiceField(choices=ApiKey.Scope.values, default="inference")
+    team = serializers.CharField(required=False, allow_null=True, default=None)
+    user = serializers.CharField(required=False, allow_null=True, default=None)
+    models = serializers.ListField(child=serializers.CharField(max_length=200),
+                                   required=False, default=list, max_length=100)
+    priority = serializers.CharField(required=False, allow_null=True, default=None)
+    rpm = serializers.IntegerField(required=False, allow_null=True, default=None)
+    tpm = serializers.IntegerField(required=False, allow_null=True, default=None)
+    expires_at = serializers.DateTimeField(required=False, allow_null=True, default=None)
+
+
+class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                    viewsets.GenericViewSet):
+    """API keys: create (the secret is shown once, in `key`), list, revoke."""
+
+    serializer_class = ApiKeySerializer
+    queryset = ApiKey.objects.select_related("team", "user")
+    read_role = write_role = "admin"
+
+    @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeySerializer})
+    def create(self, request: Request) -> Response:
+        query = ApiKeyCreateSerializer(data=request.data)
+        query.is_valid(raise_exception=True)
+        data = query.validated_data
+        record, key = services.create_api_key(
+            data["name"], data["scope"], team=data["team"], user=data["user"],
+            models=data["models"], priority=data["priority"], rpm=data["rpm"],
+            tpm=data["tpm"], expires_at=data["expires_at"], actor=actor_of(request))
+        return Response({**ApiKeySerializer(record).data, "key": key},
+                        status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses=ApiKeySerializer)
+    @action(detail=True, methods=["post"])
+    def revoke(self, request: Request, pk: str | None = None) -> Response:
+        record = services.revoke_api_key(self.get_object(), actor=actor_of(request))
+        return Response(ApiKeySerializer(record).data)
+
+
+class TeamSerializer(serializers.ModelSerializer):
+    rpm = serializers.IntegerField(source="rpm_limit", required=False, allow_null=True)
+    tpm = serializers.IntegerField(source="tpm_limit", required=False, allow_null=True)
+    keys = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Team
+        fields = ["name", "rpm", "tpm", "keys", "created_at"]
+        read_only_fields = ["keys", "created_at"]
+
+    def get_keys(self, team: Team) -> int:
+        return team.keys.filter(revoked_at__isnull=True).count()
+
+
+class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin,
+                  mixins.UpdateModelMixin, viewsets.GenericViewSet):
+    """Teams: a request and token budget per minute shared by their keys."""
+
+    serializer_class = TeamSerializer
+    queryset = Team.objects.all()
+    lookup_field = "name"
+    read_role = write_role = "admin"
+    http_method_names = ["get", "post", "patch", "head", "options"]
+
+    def perform_create(self, serializer: serializers.BaseSerializer) -> None:
+        data: Any = serializer.validated_data
+        serializer.instance = services.create_team(
+            data["name"], rpm=data.get("rpm_limit"), tpm=data.get("tpm_limit"),
+            actor=actor_of(self.request))
+
+    def perform_update(self, serializer: serializers.BaseSerializer) -> None:
+        data: Any = serializer.validated_data
+        limits = {field: data[f"{field}_limit"] for field in ("rpm", "tpm")
+                  if f"{field}_limit" in data}
+        assert isinstance(serializer.instance, Team)
+        serializer.instance = services.update_team(serializer.instance,
+                                                   actor=actor_of(self.request), **limits)
+
+
+class UserSerializer(serializers.Serializer):
+    username = serializers.RegexField(r"^[\w.@+-]{1,150}$")
+    role = serializers.ChoiceField(choices=[*ROLES, "none"], default="viewer")
+    password = serializers.CharField(write_only=True, required=False, min_length=8,
+                                     max_length=128)
+    is_active = serializers.BooleanField(default=True)
+
+    def to_representation(self, user: Any) -> dict[str, Any]:
+        return {"username": user.get_username(), "role": role_of(user) or "none",
+                "is_active": user.is_active, "is_superuser": user.is_superuser,
+                "last_login": user.last_login, "date_joined": user.date_joined}
+
+
+class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Users and their roles: viewer (dashboards), operator (deploy, scale), admin (keys,
+    users). A new user's password is given, or made and shown once in `password`."""
+
+    serializer_class = UserSerializer
+    lookup_field = "username"
+    lookup_value_regex = r"[\w.@+-]+"
+    read_role = write_role = "admin"
+
+    def get_queryset(self) -> QuerySet[Any]:
+        return get_user_model().objects.prefetch_related("groups").order_by("username")
+
+    @extend_schema(request=UserSerializer, responses={201: UserSerializer})
+    def create(self, request: Request) -> Response:
+        import secrets
+
+        from controlplane.services import audit
+
+        query = UserSerializer(data=request.data)
+        query.is_valid(raise_exception=True)
+        data = query.validated_data
+        users = get_user_model()
+        if users.objects.filter(username=data["username"]).exists():
+            raise serializers.ValidationError(
+                {"username": [f"a user named {data['username']!r} already exists"]})
+        password = data.get("password") or secrets.token_urlsafe(12)
+        actor = actor_of(request)
+        with transaction.atomic():
+            user = users.objects.create_user(data["username"], password=password,
+                                             is_active=data["is_active"])
+            audit(actor, "user-created", None, f"user {user.get_username()} created",
+                  after={"username": user.get_username(), "is_active": user.is_active})
+            set_role(user, None if data["role"] == "none" else data["role"], actor=actor)
+        body = dict(UserSerializer(user).data)
+        if not data.get("password"):
+            body["password"] = password  # made here: shown this once
+        return Response(body, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=UserSerializer, responses=UserSerializer)
+    def partial_update(self, request: Request, username: str | None = None) -> Response:
+        from controlplane.services import audit
+
+        user = self.get_object()
+        query = UserSerializer(data={"username": user.get_username(), **request.data},
+                               partial=True)
+        query.is_valid(raise_exception=True)
+        data = query.validated_data
+        actor = actor_of(request)
+        if user.is_superuser and ("role" in request.data or "is_active" in request.data):
+            raise serializers.ValidationError(
+                {"role": ["a superuser is always an admin; change it in the admin site"]})
+        with transaction.atomic():
+            if "role" in request.data:
+                set_role(user, None if data["role"] == "none" else data["role"], actor=actor)
+            if "is_active" in request.data and data["is_active"] != user.is_active:
+                user.is_active = data["is_active"]
+                user.save(update_fields=["is_active"])
+                audit(actor, "user-changed", None, f"user {user.get_username()} "
+                      f"{'enabled' if user.is_active else 'disabled'}",
+                      after={"is_active": user.is_active})
+            if data.get("password"):
+                user.set_password(data["password"])
+                user.save(update_fields=["password"])
+                audit(actor, "user-changed", None,
+                      f"user {user.get_username()}: password set")
+        return Response(UserSerializer(user).data)
