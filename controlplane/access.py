@@ -15,7 +15,7 @@ from django.urls import path
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from controlplane.roles import ROLES, role_of, role_required, set_role
+from access.roles import ROLES, role_of, role_required, set_role
 from serving import services
 from serving.models import ApiKey, Team
 from serving.priority import DEFAULT_CLASS, classes

@@ -305,7 +305,10 @@ class GatewayCounters:
         totals: dict[str, list[float]] = {}
         in_flight: dict[str, float] = {}
         # These two families only: collecting the whole registry walks every histogram.
-        for family in (*metrics.REQUESTS.collect(), *metrics.IN_FLIGHT.collect()):
+        queued: dict[str, float] = {}
+        queue_wait: dict[str, float] = {}
+        for family in (*metrics.REQUESTS.collect(), *metrics.IN_FLIGHT.collect(),
+                       *metrics.QUEUED.collect(), *metrics.QUEUE_ESTIMATE.collect()):
             if family.name == "fleetplane_gateway_requests":
                 for sample in family.samples:
                     if sample.name != "fleetplane_gateway_requests_total":
@@ -318,6 +321,13 @@ class GatewayCounters:
                 for sample in family.samples:
                     deployment = sample.labels["deployment"]
                     in_flight[deployment] = in_flight.get(deployment, 0.0) + sample.value
+            elif family.name == "fleetplane_gateway_queue_estimated_wait_seconds":
+                for sample in family.samples:
+                    queue_wait[sample.labels["deployment"]] = sample.value
+            elif family.name == "fleetplane_gateway_queued_requests":
+                for sample in family.samples:
+                    deployment = sample.labels["deployment"]
+                    queued[deployment] = queued.get(deployment, 0.0) + sample.value
         seconds = at - self.last_at
         out: dict[str, dict[str, float | None]] = {}
         for deployment, (count, errors) in totals.items():
@@ -344,6 +354,8 @@ class GatewayCounters:
                 rounded(failed / requests) if requests and failed is not None
                 else (0.0 if requests == 0 else None))
         out["_in_flight"] = dict(in_flight)  # type: ignore[assignment]
+        out["_queued"] = dict(queued)  # type: ignore[assignment]
+        out["_queue_wait"] = dict(queue_wait)  # type: ignore[assignment]
         return out
 
 
@@ -643,6 +655,8 @@ class Collector:
         at = time.time()
         gateway = self.gateway_counters.read(at)
         in_flight: dict[str, float] = gateway.pop("_in_flight", {})  # type: ignore[assignment]
+        queued: dict[str, float] = gateway.pop("_queued", {})  # type: ignore[assignment]
+        queue_wait: dict[str, float] = gateway.pop("_queue_wait", {})  # type: ignore[assignment]
         # With the gateway in this process (`manage.py serve`), a deployment it has no
         # request for has 0 in flight; with the gateway elsewhere the figure is unknown.
         idle_gateway = 0.0 if "serving.gateway" in sys.modules else None
@@ -675,6 +689,8 @@ class Collector:
             gateway_sample = {"t": round(at, 3), "requests_per_s": gate.get("requests_per_s"),
                               "error_rate": gate.get("error_rate"),
                               "in_flight": in_flight.get(name, idle_gateway),
+                              "queued": queued.get(name, idle_gateway),
+                              "queue_wait_s": queue_wait.get(name, idle_gateway),
                               "desired": counts["desired"],
                               "ready": counts["ready"], "standby": counts["standby"]}
             store.gateway_series(name).append(gateway_sample)
@@ -688,6 +704,8 @@ class Collector:
                 "window_seconds": SUMMARY_SECONDS,
                 "requests_per_s": gate.get("window_requests_per_s"),
                 "in_flight": in_flight.get(name, idle_gateway),
+                "queued": queued.get(name, idle_gateway),
+                "queue_wait_s": queue_wait.get(name, idle_gateway),
                 "tokens_per_s": window["tokens_per_s"],
                 "waiting": waiting, "running": running,
                 "kv_cache": rounded(mean(s.get("kv_cache") for s in samples)),

@@ -21,8 +21,8 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
+from access.roles import has_role
 from controlplane import collector as collector_module
-from controlplane.roles import has_role
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.urls import path
 
+from access.roles import role_required
 from controlplane.models import Deployment
-from controlplane.roles import role_required
 
 
 @role_required("viewer")

@@ -13,10 +13,10 @@ from django.urls import path
 from django.views.decorators.http import require_POST
 from rest_framework.exceptions import ValidationError
 
+from access.roles import has_role, role_required
 from controlplane import services
 from controlplane.forms import DeploymentForm, ScaleForm
 from controlplane.models import AuditEvent, Deployment, Replica
-from controlplane.roles import has_role, role_required
 
 
 def first_error(exc: ValidationError) -> str:

@@ -81,9 +81,9 @@ def model_summary(model: Model) -> dict[str, Any]:
 
 def _audit(actor: str, action: str, message: str, before: Any = None,
            after: Any = None) -> None:
-    from controlplane.services import audit
+    from access.signals import record
 
-    audit(actor, action, None, message, before=before, after=after)
+    record(actor, action, message, before, after)
 
 
 def _register(spec: ModelSpec, import_in_background: bool) -> Model:

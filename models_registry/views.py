@@ -10,7 +10,7 @@ from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 
-from controlplane.roles import has_role, role_required
+from access.roles import has_role, role_required
 from models_registry import services
 from models_registry.capacity import DEFAULT_SEQUENCE_LENGTH, MEMORY_PRESETS_GIB
 from models_registry.capacity_report import CapacityUnknownError, model_capacity

@@ -4,9 +4,11 @@ deployment and pool, taken in priority order, then arrival order.
 
 Each waiting request ranks by its class's level minus one level per
 GATEWAY_QUEUE_AGING_SECONDS waited, so a lower class moves up the longer it waits and
-never starves. A class's queue is bounded in length (`max_queued`: a full queue answers 429)
-and in wait (`max_wait_seconds`: an expired wait answers 503); both carry a Retry-After
-estimated from the measured service rate (requests finished per second).
+never starves. A class may fill only its `share` of the slots (serving/priority.py): the
+rest is headroom that more urgent classes take at once. A class's queue is bounded in
+length (`max_queued`: a full queue answers 429) and in wait (`max_wait_seconds`: an
+expired wait answers 503); both carry a Retry-After estimated from the measured service
+rate (requests finished per second).
 """
 
 from __future__ import annotations
@@ -106,6 +108,16 @@ class Admission:
                     out[waiter.priority.name] = out.get(waiter.priority.name, 0) + 1
         return out
 
+    def estimated_wait(self, deployment: str) -> float:
+        """Seconds a request joining the back of the deployment's longest queue would
+        wait, from the measured service rate (0 with nobody waiting)."""
+        now = time.monotonic()
+        waits = [lane.estimate(len(lane.waiting), now, max(
+                     (w.priority.max_wait_seconds for w in lane.waiting), default=0.0))
+                 for name, lane in self.lanes.items()
+                 if name.split("|", 1)[0] == deployment and lane.waiting]
+        return max(waits, default=0.0)
+
     def set_capacity(self, name: str, capacity: int) -> None:
         lane = self.lane(name)
         if lane.capacity != capacity:
@@ -118,7 +130,7 @@ class Admission:
         self.set_capacity(name, capacity)
         lane = self.lane(name)
         now = time.monotonic()
-        if lane.busy < lane.capacity and not lane.waiting:
+        if lane.busy < priority.slots(lane.capacity) and not lane.waiting:
             lane.busy += 1
             return Ticket(name, 0, 0.0)
         same = sum(1 for w in lane.waiting if w.priority.name == priority.name)
@@ -137,6 +149,8 @@ class Admission:
         gauge.inc()
         waiter.future.add_done_callback(lambda _: gauge.dec())
         self.dispatch(lane)
+        if waiter.future.done():  # a free slot its class may use: no wait after all
+            return Ticket(name, 0, 0.0)
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future),
                                    timeout=priority.max_wait_seconds)
@@ -167,18 +181,22 @@ class Admission:
         self.dispatch(lane)
 
     def dispatch(self, lane: Lane) -> None:
-        """Let the best-ranked waiters take the free slots."""
+        """Let the best-ranked waiters take the free slots their classes may use."""
         if not lane.waiting or lane.busy >= lane.capacity:
             return
         now = time.monotonic()
         aging = float(settings.GATEWAY_QUEUE_AGING_SECONDS)
         lane.waiting.sort(key=lambda w: w.rank(now, aging))
-        while lane.waiting and lane.busy < lane.capacity:
-            waiter = lane.waiting.pop(0)
+        kept = []
+        for waiter in lane.waiting:
             if waiter.future.done():  # cancelled meanwhile
                 continue
-            lane.busy += 1
-            waiter.future.set_result(None)
+            if lane.busy < waiter.priority.slots(lane.capacity):
+                lane.busy += 1
+                waiter.future.set_result(None)
+            else:
+                kept.append(waiter)
+        lane.waiting = kept
 
 
 def queued_gauge(lane: str, priority: str) -> Any:

@@ -27,7 +27,14 @@ from serving import metrics
 from serving.admission import Admission, Refused, Ticket, retry_after_header
 from serving.keys import KeyInfo, authenticate, follow_key_changes
 from serving.priority import DEFAULT_CLASS, PriorityClass, classes
-from serving.ratelimit import Limit, MemoryLimiter, RedisLimiter, key_limits, token_charges
+from serving.ratelimit import (
+    Limit,
+    MemoryLimiter,
+    RedisLimiter,
+    Verdict,
+    key_limits,
+    token_charges,
+)
 from serving.router import Router
 from serving.routes import Pool, RouteReplica, routes
 from serving.upstream import Pool as ConnectionPool
@@ -137,6 +144,8 @@ class Gateway:
             for lane, replicas in pool.lanes().items():
                 self.admission.set_capacity(f"{pool.deployment}|{lane}",
                                             len(replicas) * pool.replica_concurrency)
+            metrics.child(metrics.QUEUE_ESTIMATE, pool.deployment).set(
+                round(self.admission.estimated_wait(pool.deployment), 3))
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -210,7 +219,11 @@ class Gateway:
             if time.monotonic() - self.auth_failures[address] > 60:
                 del self.auth_failures[address]
             else:
-                verdict = await self.limiter.admit([failures], commit=False)
+                try:
+                    verdict = await self.limiter.admit([failures], commit=False)
+                except Exception:  # no count to go by: the key check still runs
+                    logger.exception("could not read the failed-attempt count")
+                    verdict = Verdict(True)
                 if not verdict.allowed:
                     metrics.child(metrics.REFUSED, "-", "auth_failures").inc()
                     raise GatewayError(
@@ -223,7 +236,10 @@ class Gateway:
             if len(self.auth_failures) > 100_000:
                 self.auth_failures.clear()
             self.auth_failures[address] = time.monotonic()
-            await self.limiter.charge([failures])
+            try:
+                await self.limiter.charge([failures])
+            except Exception:
+                logger.exception("could not count a failed attempt")
             raise
 
     async def check_key(self, scope: Scope) -> KeyInfo:
@@ -300,7 +316,14 @@ class Gateway:
         prompt_tokens = estimate_prompt_tokens(body, kind)
         limits = key_limits(key, prompt_tokens)
         if limits:
-            verdict = await self.limiter.admit(limits)
+            try:
+                verdict = await self.limiter.admit(limits)
+            except Exception:
+                logger.exception("could not check the rate limits")
+                raise GatewayError(503, "the rate limits cannot be checked now (their store "
+                                        "is unreachable); try again shortly",
+                                   kind="service_unavailable", code="limits_unavailable",
+                                   headers=[(b"retry-after", b"1")]) from None
             if not verdict.allowed:
                 metrics.child(metrics.REFUSED, pool.deployment, "rate_limit").inc()
                 raise GatewayError(429, "rate limit reached for this API key or its team; "

@@ -33,6 +33,9 @@ UPSTREAM_ERRORS = Counter("fleetplane_gateway_upstream_errors_total",
 QUEUED = Gauge("fleetplane_gateway_queued_requests",
                "Requests waiting in the gateway's priority queue",
                ["deployment", "priority"])
+QUEUE_ESTIMATE = Gauge("fleetplane_gateway_queue_estimated_wait_seconds",
+                       "For a request joining the end of the deployment's queue now, the "
+                       "wait estimated from the measured service rate", ["deployment"])
 QUEUE_WAIT = Histogram("fleetplane_gateway_queue_wait_seconds",
                        "Time waited in the priority queue before a replica took the request",
                        ["deployment", "priority"], buckets=LATENCY_BUCKETS)

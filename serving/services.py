@@ -51,9 +51,9 @@ def _limit(field: str, value: Any) -> int | None:
 
 def _audit(actor: str, action: str, message: str, before: Any = None,
            after: Any = None) -> None:
-    from controlplane.services import audit
+    from access.signals import record
 
-    audit(actor, action, None, message, before=before, after=after)
+    record(actor, action, message, before, after)
 
 
 @transaction.atomic

@@ -14,8 +14,7 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from controlplane.api.views import actor_of
-from controlplane.roles import ROLES, role_of, set_role
+from access.roles import ROLES, actor_of, role_of, set_role
 from serving import services
 from serving.models import ApiKey, Team
 

@@ -13,6 +13,7 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from access.roles import actor_of
 from controlplane import services
 from controlplane.api.serializers import (
     AuditEventSerializer,
@@ -26,11 +27,6 @@ from controlplane.backends.base import backend_for
 from controlplane.models import AuditEvent, Backend, Deployment, Replica
 
 MAX_LOG_LINES = 5000
-
-
-def actor_of(request: Request) -> str:
-    user = request.user
-    return str(getattr(user, "username", None) or getattr(user, "get_username", lambda: "")())
 
 
 class BackendViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,

@@ -6,6 +6,7 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from access.roles import actor_of
 from models_registry import services
 from models_registry.api.serializers import (
     CapacityEstimateSerializer,
@@ -15,12 +16,6 @@ from models_registry.api.serializers import (
 )
 from models_registry.capacity_report import model_capacity
 from models_registry.models import Model
-
-
-def actor_of(request: Request) -> str:
-    from controlplane.api.views import actor_of as who
-
-    return who(request)
 
 
 class ModelViewSet(

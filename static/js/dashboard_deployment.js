@@ -18,6 +18,7 @@
     // The deployment's own series (not per replica): what the autoscaler decided and got.
     ["scale", "Replicas and gateway queue", "", [["desired", "desired", 1], ["ready", "ready", 1],
       ["standby", "standby", 1], ["in_flight", "in flight at the gateway", 1],
+      ["queued", "queued at the gateway", 1],
       ["decided", "autoscaler decided", 1]], "deployment"],
     // Each autoscaler signal against its target (1 = on target), with what it proposed.
     ["signals", "Autoscaler signals (value ÷ target; 1 = on target)", "", [], "signals"],
@@ -163,6 +164,9 @@
     set("requests_per_s", f(s.requests_per_s, 2));
     set("tokens_per_s", f(s.tokens_per_s, 1));
     set("queue", `${f(s.waiting, 0)} / ${f(s.running, 0)}`);
+    set("gateway_queue", `${f(s.queued, 0)} / ${f(s.in_flight, 0)}`);
+    set("queue_wait", s.queue_wait_s === null || s.queue_wait_s === undefined ? "–"
+        : f(s.queue_wait_s * 1000, 0, " ms"));
     set("kv_cache", s.kv_cache === null ? "–" : f(s.kv_cache * 100, 1, " %"));
     set("ttft", `${f(s.ttft_p50 === null ? null : s.ttft_p50 * 1000, 0)} / ` +
                 `${f(s.ttft_p95 === null ? null : s.ttft_p95 * 1000, 0)} ms`);

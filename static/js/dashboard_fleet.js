@@ -10,7 +10,7 @@
     if (!message.deployments.length) {
       const row = document.createElement("tr");
       const td = cell("No deployments.");
-      td.colSpan = 8;
+      td.colSpan = 9;
       row.append(td);
       body.append(row);
       return;
@@ -27,6 +27,7 @@
         cell(`${d.ready} / ${d.desired}` + (d.standby ? ` (+${d.standby} standby)` : "")),
         cell(f(d.requests_per_s, 2)), cell(f(d.tokens_per_s, 1)),
         cell(`${f(d.waiting, 0)} / ${f(d.running, 0)}`),
+        cell(f(d.queued, 0)),
         cell(d.kv_cache === null ? "–" : f(d.kv_cache * 100, 1, " %")),
         cell(`${f(d.ttft_p50 === null ? null : d.ttft_p50 * 1000, 0)} / ` +
              `${f(d.ttft_p95 === null ? null : d.ttft_p95 * 1000, 0)} ms`),

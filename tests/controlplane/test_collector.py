@@ -210,3 +210,19 @@ async def test_a_replica_that_stops_answering_is_a_missing_sample_not_a_failed_p
     assert collector.store.replicas["demo-1"].failures == 1
     assert collector.store.fleet["deployments"][1]["scrape_failures"] == 1
     collector.close()
+
+
+def test_requests_queued_at_the_gateway_are_counted_per_deployment() -> None:
+    from controlplane.collector import GatewayCounters
+    from serving import metrics
+
+    metrics.child(metrics.QUEUED, "queued-demo", "batch").set(3)
+    metrics.child(metrics.QUEUED, "queued-demo", "critical").set(1)
+    metrics.child(metrics.QUEUE_ESTIMATE, "queued-demo").set(1.5)
+    try:
+        out = GatewayCounters().read(time.time())
+        assert out["_queued"]["queued-demo"] == 4  # type: ignore[index]
+        assert out["_queue_wait"]["queued-demo"] == 1.5  # type: ignore[index]
+    finally:
+        metrics.child(metrics.QUEUED, "queued-demo", "batch").set(0)
+        metrics.child(metrics.QUEUED, "queued-demo", "critical").set(0)

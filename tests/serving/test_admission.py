@@ -16,6 +16,7 @@ from serving.priority import PriorityClass, parse_classes
 CRITICAL = PriorityClass("critical", 0, 100, 30)
 STANDARD = PriorityClass("standard", 10, 100, 30)
 BATCH = PriorityClass("batch", 20, 100, 30)
+SHARED_BATCH = PriorityClass("batch", 20, 100, 30, share=0.75)
 
 
 async def enter(admission: Admission, name: str, priority: PriorityClass,
@@ -43,6 +44,28 @@ def test_waiters_go_by_priority_then_arrival() -> None:
 
     assert asyncio.run(run()) == ["critical-1", "standard-1", "standard-2", "batch-1",
                                   "batch-2"]
+
+
+def test_batch_never_fills_the_headroom_an_urgent_request_takes_at_once() -> None:
+    async def run() -> tuple[list[str], int]:
+        admission, log = Admission(), list[str]()
+        batch = [asyncio.create_task(enter(admission, f"batch-{n}", SHARED_BATCH, log, 4))
+                 for n in range(5)]
+        await asyncio.sleep(0.01)
+        assert log == ["batch-0", "batch-1", "batch-2"]  # 3 of 4 slots: the rest waits
+        ticket = await admission.acquire("demo|all", 4, CRITICAL)
+        log.append("critical")
+        busy = admission.lane("demo|all").busy
+        for _ in range(3):
+            admission.release("demo|all")
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*batch)
+        assert ticket.position == 0 and ticket.waited == 0
+        return log, busy
+
+    log, busy = asyncio.run(run())
+    assert log == ["batch-0", "batch-1", "batch-2", "critical", "batch-3", "batch-4"]
+    assert busy == 4
 
 
 def test_aging_lets_a_long_waiting_batch_request_pass_fresh_critical_ones(
@@ -85,6 +108,7 @@ def test_a_full_class_queue_is_refused_with_429_and_a_retry_after() -> None:
         other = asyncio.create_task(admission.acquire("demo|all", 1, CRITICAL))
         await asyncio.sleep(0)
         assert admission.queued("demo") == {"batch": 2, "critical": 1}
+        assert 0 < admission.estimated_wait("demo") < 5  # from the measured rate
         for task in [*waiting, other]:
             task.cancel()
         return refused.value
@@ -137,6 +161,7 @@ def test_priority_classes_are_read_strictly() -> None:
                         ('{"standard": {"level": "high"}}', "level"),
                         ('{"standard": {"level": 1, "max_queued": -1}}', "max_queued"),
                         ('{"standard": {"level": 1, "speed": 3}}', "takes level"),
+                        ('{"standard": {"level": 1, "share": 0}}', "share"),
                         ('{"no good": {"level": 1}}', "identifier")):
         with pytest.raises(ValueError, match=error):
             parse_classes(text)

@@ -235,3 +235,16 @@ def test_usage_totals_add_up_on_the_key(gateway_url: str, fake_engines: Engines,
         time.sleep(0.1)
     assert totals() == (3, 15, 6)
     assert record.last_used_at is not None
+
+
+def test_an_unreachable_budget_store_refuses_limited_keys_with_503(
+        gateway_url: str, fake_engines: Engines, settings: Any) -> None:
+    publish("demo", [fake_engines("demo-1")])
+    _, limited = create_api_key("limited", "inference", rpm=100)
+    _, free = create_api_key("free", "inference")
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+    refused = post(gateway_url, limited)
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "limits_unavailable"
+    assert refused.headers["retry-after"] == "1"
+    assert post(gateway_url, free).status_code == 200  # no budget to check

@@ -97,12 +97,18 @@ class RolePermission(permissions.BasePermission):
         return str(getattr(view, "write_role", "operator"))
 
 
+def actor_of(request: Any) -> str:
+    """Who made a request, as the audit log names them: a user name or `key:<name>`."""
+    user = request.user
+    return str(getattr(user, "username", None) or getattr(user, "get_username", lambda: "")())
+
+
 @transaction.atomic
 def set_role(user: Any, role: str | None, *, actor: str) -> None:
     """Give a user one role (or none), recorded in the audit log."""
     from django.contrib.auth.models import Group
 
-    from controlplane.services import audit
+    from access.signals import record
 
     if role is not None and role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)} (or none)")
@@ -116,6 +122,6 @@ def set_role(user: Any, role: str | None, *, actor: str) -> None:
         user.save(update_fields=["is_staff"])
     if hasattr(user, "_fleetplane_role"):
         del user._fleetplane_role
-    audit(actor, "user-role-changed", None, f"user {user.get_username()}: role "
-                                            f"{before['role'] or 'none'} -> {role or 'none'}",
-          before=before, after={"role": role, "is_staff": user.is_staff})
+    record(actor, "user-role-changed", f"user {user.get_username()}: role "
+                                       f"{before['role'] or 'none'} -> {role or 'none'}",
+           before=before, after={"role": role, "is_staff": user.is_staff})
