@@ -14,20 +14,21 @@ def current_pools() -> list[Pool]:
     deployments = (Deployment.objects.filter(deleting=False).select_related("model")
                    .prefetch_related("replica_set"))
     for deployment in deployments:
-        ready = tuple(
-            RouteReplica(name=r.name, url=r.endpoint)
-            for r in deployment.replica_set.all()
+        routable = [
+            r for r in deployment.replica_set.all()
             if r.phase == Replica.Phase.READY and r.role == Replica.Role.ACTIVE and r.endpoint
             and deployment.state == Deployment.State.RUNNING
-        )
+        ]
+        ready = tuple(RouteReplica(name=r.name, url=r.endpoint) for r in routable)
         served = deployment.served_model_name()
         names = tuple(dict.fromkeys([served, deployment.name, *deployment.aliases]))
         admission = deployment.admission or {}
         long_count = admission.get("long_replicas", 0)
-        # The long-context pool: the first replicas by name (the oldest, so a new replica
-        # joins the short pool and the long one keeps its cache), leaving the short pool
-        # at least one.
-        long = tuple(sorted(r.name for r in ready)[:min(long_count, len(ready) - 1)])
+        # The long-context pool: the replicas ready longest (so a new replica joins the
+        # short pool and the long one keeps its cache), leaving the short pool at least one.
+        oldest = sorted(routable, key=lambda r: (r.ready_at or r.started_at or r.created_at,
+                                                 r.name))
+        long = tuple(r.name for r in oldest[:min(long_count, len(ready) - 1)])
         pools.append(Pool(deployment=deployment.name, served_model_name=served,
                           policy=deployment.routing_policy,
                           max_model_len=deployment.engine_args.get("max_model_len")

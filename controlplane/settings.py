@@ -220,7 +220,8 @@ GATEWAY_QUEUE_AGING_SECONDS = env_float("GATEWAY_QUEUE_AGING_SECONDS", 10.0, min
 # Requests one replica takes at once before the gateway queues, unless the deployment
 # says (its `replica_concurrency`, else its engine argument max_num_seqs).
 GATEWAY_REPLICA_CONCURRENCY = env_int("GATEWAY_REPLICA_CONCURRENCY", 256, minimum=1)
-GATEWAY_AUTH_FAILURES_PER_MINUTE = env_int("GATEWAY_AUTH_FAILURES_PER_MINUTE", 30, minimum=1)
+# 0: no limit (for gateways behind a proxy, where every client shares its address).
+GATEWAY_AUTH_FAILURES_PER_MINUTE = env_int("GATEWAY_AUTH_FAILURES_PER_MINUTE", 30, minimum=0)
 USAGE_FLUSH_SECONDS = env_float("USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
 
 # The metrics collector and the live dashboards.

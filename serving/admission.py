@@ -14,6 +14,7 @@ rate (requests finished per second).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import math
 import time
@@ -66,12 +67,33 @@ class Ticket:
 
 @dataclass
 class Lane:
-    """One deployment's (or context pool's) slots and queue."""
+    """One deployment's (or context pool's) slots and queue: one queue per class, in
+    arrival order. Within a class arrival order is rank order (every waiter ages at the
+    same pace), so the best waiter is always one of the few heads."""
 
     capacity: int = 0
     busy: int = 0
-    waiting: list[Waiter] = field(default_factory=list)
+    queues: dict[str, deque[Waiter]] = field(default_factory=dict)
     finished: deque[float] = field(default_factory=deque)
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def waiters(self) -> list[Waiter]:
+        return [w for q in self.queues.values() for w in q]
+
+    def remove(self, waiter: Waiter) -> None:
+        queue = self.queues.get(waiter.priority.name)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
+
+    def ahead_of(self, waiter: Waiter, now: float, aging: float) -> int:
+        """How many waiters rank before `waiter` (binary search in each class)."""
+        mine = waiter.rank(now, aging)
+        ahead = 0
+        for queue in self.queues.values():
+            ahead += bisect.bisect_left(queue, mine, key=lambda w: w.rank(now, aging))
+        return ahead
 
     def service_rate(self, now: float) -> float | None:
         while self.finished and self.finished[0] < now - RATE_WINDOW:
@@ -104,18 +126,21 @@ class Admission:
         out: dict[str, int] = {}
         for name, lane in self.lanes.items():
             if name.split("|", 1)[0] == deployment:
-                for waiter in lane.waiting:
-                    out[waiter.priority.name] = out.get(waiter.priority.name, 0) + 1
+                for cls, queue in lane.queues.items():
+                    if queue:
+                        out[cls] = out.get(cls, 0) + len(queue)
         return out
 
     def estimated_wait(self, deployment: str) -> float:
         """Seconds a request joining the back of the deployment's longest queue would
         wait, from the measured service rate (0 with nobody waiting)."""
         now = time.monotonic()
-        waits = [lane.estimate(len(lane.waiting), now, max(
-                     (w.priority.max_wait_seconds for w in lane.waiting), default=0.0))
-                 for name, lane in self.lanes.items()
-                 if name.split("|", 1)[0] == deployment and lane.waiting]
+        waits = []
+        for name, lane in self.lanes.items():
+            count = lane.waiting()
+            if name.split("|", 1)[0] == deployment and count:
+                fallback = max(w.priority.max_wait_seconds for w in lane.waiters())
+                waits.append(lane.estimate(count, now, fallback))
         return max(waits, default=0.0)
 
     def set_capacity(self, name: str, capacity: int) -> None:
@@ -130,21 +155,20 @@ class Admission:
         self.set_capacity(name, capacity)
         lane = self.lane(name)
         now = time.monotonic()
-        if lane.busy < priority.slots(lane.capacity) and not lane.waiting:
+        if lane.busy < priority.slots(lane.capacity) and not lane.waiting():
             lane.busy += 1
             return Ticket(name, 0, 0.0)
-        same = sum(1 for w in lane.waiting if w.priority.name == priority.name)
-        if same >= priority.max_queued:
-            retry = lane.estimate(len(lane.waiting), now, priority.max_wait_seconds)
+        queue = lane.queues.setdefault(priority.name, deque())
+        if len(queue) >= priority.max_queued:
+            retry = lane.estimate(lane.waiting(), now, priority.max_wait_seconds)
             raise Refused(429, f"the {priority.name} queue of this deployment is full "
                                f"({priority.max_queued} waiting)", retry, "queue_full")
         waiter = Waiter(priority, now, next(self.counter),
                         asyncio.get_running_loop().create_future())
         aging = float(settings.GATEWAY_QUEUE_AGING_SECONDS)
-        mine = waiter.rank(now, aging)
-        position = 1 + sum(1 for w in lane.waiting if w.rank(now, aging) < mine)
+        position = 1 + lane.ahead_of(waiter, now, aging)
         estimated = lane.estimate(position - 1, now, priority.max_wait_seconds)
-        lane.waiting.append(waiter)
+        queue.append(waiter)
         gauge = queued_gauge(name, priority.name)
         gauge.inc()
         waiter.future.add_done_callback(lambda _: gauge.dec())
@@ -157,9 +181,9 @@ class Admission:
         except TimeoutError:
             if waiter.future.done():  # let through at the very moment the wait ran out
                 return Ticket(name, position, estimated, time.monotonic() - now)
-            lane.waiting.remove(waiter)
+            lane.remove(waiter)
             waiter.future.cancel()
-            retry = lane.estimate(len(lane.waiting), time.monotonic(),
+            retry = lane.estimate(lane.waiting(), time.monotonic(),
                                   priority.max_wait_seconds)
             raise Refused(503, f"waited {priority.max_wait_seconds:g} s in the "
                                f"{priority.name} queue without a free replica", retry,
@@ -168,7 +192,7 @@ class Admission:
             if waiter.future.done():
                 self.release(name, finished=False)
             else:
-                lane.waiting.remove(waiter)
+                lane.remove(waiter)
                 waiter.future.cancel()
             raise
         return Ticket(name, position, estimated, time.monotonic() - now)
@@ -181,22 +205,23 @@ class Admission:
         self.dispatch(lane)
 
     def dispatch(self, lane: Lane) -> None:
-        """Let the best-ranked waiters take the free slots their classes may use."""
-        if not lane.waiting or lane.busy >= lane.capacity:
-            return
+        """Let the best-ranked waiters take the free slots their classes may use: compare
+        the head of each class's queue, never the whole queue."""
         now = time.monotonic()
         aging = float(settings.GATEWAY_QUEUE_AGING_SECONDS)
-        lane.waiting.sort(key=lambda w: w.rank(now, aging))
-        kept = []
-        for waiter in lane.waiting:
-            if waiter.future.done():  # cancelled meanwhile
-                continue
-            if lane.busy < waiter.priority.slots(lane.capacity):
-                lane.busy += 1
-                waiter.future.set_result(None)
-            else:
-                kept.append(waiter)
-        lane.waiting = kept
+        while lane.busy < lane.capacity:
+            heads = []
+            for queue in lane.queues.values():
+                while queue and queue[0].future.done():  # cancelled meanwhile
+                    queue.popleft()
+                if queue and lane.busy < queue[0].priority.slots(lane.capacity):
+                    heads.append(queue[0])
+            if not heads:
+                return
+            best = min(heads, key=lambda w: w.rank(now, aging))
+            lane.queues[best.priority.name].popleft()
+            lane.busy += 1
+            best.future.set_result(None)
 
 
 def queued_gauge(lane: str, priority: str) -> Any:

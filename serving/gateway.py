@@ -77,6 +77,7 @@ class Timing:
     gaps: float = 0.0
     chunks: int = 0
     ticket: Ticket | None = None  # the admission slot held, released when the answer ends
+    events: int = 0  # SSE data events relayed (the completion's size when no usage came)
 
 
 class Gateway:
@@ -140,10 +141,14 @@ class Gateway:
 
     def refresh_capacity(self) -> None:
         """Replicas came or went: waiting requests take the new slots."""
+        now = time.monotonic()
         for pool in {p.deployment: p for p in routes.table.pools.values()}.values():
             for lane, replicas in pool.lanes().items():
+                # Healthy replicas only, as at admission: no slots on one sitting out.
+                healthy = sum(1 for r in replicas
+                              if self.router.state(r.name).unhealthy_until <= now)
                 self.admission.set_capacity(f"{pool.deployment}|{lane}",
-                                            len(replicas) * pool.replica_concurrency)
+                                            healthy * pool.replica_concurrency)
             metrics.child(metrics.QUEUE_ESTIMATE, pool.deployment).set(
                 round(self.admission.estimated_wait(pool.deployment), 3))
 
@@ -213,6 +218,8 @@ class Gateway:
         """The caller's key. Unknown, revoked, expired, forged and truncated keys all get
         the same 401; an address with too many failures in a minute gets 429."""
         address = (scope.get("client") or ("-", 0))[0]
+        if not settings.GATEWAY_AUTH_FAILURES_PER_MINUTE:
+            return await self.check_key(scope)
         failures = Limit("requests", f"authfail:{address}",
                          settings.GATEWAY_AUTH_FAILURES_PER_MINUTE, 1)
         if address in self.auth_failures:
@@ -346,9 +353,14 @@ class Gateway:
             raw = orjson.dumps(body)
         session = header(scope, b"x-session-id") or str(body.get("user") or "") or None
         prefix = prompt_prefix(body, kind)
-        await self.relay(send, receive, key, pool, model, scope["path"], raw, stream,
-                         wants_usage, session, prefix, request_id, headers, timing,
-                         priority=priority, prompt_tokens=prompt_tokens)
+        try:
+            await self.relay(send, receive, key, pool, model, scope["path"], raw, stream,
+                             wants_usage, session, prefix, request_id, headers, timing,
+                             priority=priority, prompt_tokens=prompt_tokens)
+        except BaseException:
+            if limits and not timing.sent:  # it never reached a replica: no budget used
+                self.spawn(self.refund(limits))
+            raise
 
     @staticmethod
     def priority_of(scope: Scope, key: KeyInfo) -> PriorityClass:
@@ -374,7 +386,8 @@ class Gateway:
                             session: str | None, prefix: str | None, request_id: str,
                             timing: Timing, *, key: KeyInfo | None, stream: bool,
                             user: str = "", priority: PriorityClass | None = None,
-                            prompt_tokens: int = 0) -> tuple[RouteReplica, Response]:
+                            prompt_tokens: int = 0, receive: Receive | None = None
+                            ) -> tuple[RouteReplica, Response]:
         """Send the request to a replica the router picks, retrying on another one when it
         fails before answering; the chosen replica's in-flight count includes it. When
         every replica of its context pool is full, wait in the priority queue first: the
@@ -389,8 +402,14 @@ class Gateway:
         if healthy:
             priority = priority or classes()[DEFAULT_CLASS]
             try:
-                timing.ticket = await self.admission.acquire(
-                    f"{pool.deployment}|{lane}", healthy * pool.replica_concurrency, priority)
+                timing.ticket = await self.admit(
+                    f"{pool.deployment}|{lane}", healthy * pool.replica_concurrency, priority,
+                    receive)
+            except asyncio.CancelledError:
+                # The client left while waiting; counted like a client that leaves mid-answer.
+                self.record(key, model, pool, "", 499, stream, None, timing, request_id,
+                            user=user)
+                raise
             except Refused as exc:
                 metrics.child(metrics.REFUSED, pool.deployment, exc.code).inc()
                 self.record(key, model, pool, "", exc.status, stream, None, timing,
@@ -408,6 +427,29 @@ class Gateway:
         except BaseException:
             self.release(timing, finished=False)
             raise
+
+    async def admit(self, lane: str, capacity: int, priority: PriorityClass,
+                    receive: Receive | None) -> Ticket:
+        """A slot from the priority queue. With `receive` (an HTTP request), a client that
+        disconnects while it waits leaves the queue at once: the server does not cancel the
+        request's task, it only says so through `receive`."""
+        acquiring = asyncio.ensure_future(self.admission.acquire(lane, capacity, priority))
+        if receive is None or acquiring.done():
+            return await acquiring
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({acquiring, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            acquiring.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if not acquiring.done():  # the client went away first
+            acquiring.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Refused):
+                await acquiring
+            raise asyncio.CancelledError
+        return acquiring.result()
 
     def release(self, timing: Timing, *, finished: bool = True) -> None:
         """Give back the admission slot of a request that has ended (once)."""
@@ -509,7 +551,8 @@ class Gateway:
         replica, response = await self.open_upstream(pool, model, path, raw, session, prefix,
                                                       request_id, timing, key=key,
                                                       stream=stream, priority=priority,
-                                                      prompt_tokens=prompt_tokens)
+                                                      prompt_tokens=prompt_tokens,
+                                                      receive=receive)
         if timing.ticket is not None:
             headers = [*headers, *timing.ticket.headers()]
         state = self.router.state(replica.name)
@@ -555,13 +598,14 @@ class Gateway:
             state.in_flight -= 1
             self.release(timing)
             metrics.child(metrics.IN_FLIGHT, model, pool.deployment).dec()
-            if usage and (key.tpm or key.team_tpm):
-                # The completion, and any prompt tokens beyond the estimate, once known.
-                completion = usage.get("completion_tokens")
-                prompt = usage.get("prompt_tokens")
-                extra = (completion if isinstance(completion, int) else 0) + max(
-                    0, (prompt if isinstance(prompt, int) else 0) - prompt_tokens)
-                charges = token_charges(key, extra)
+            if key.tpm or key.team_tpm:
+                # The completion, and the prompt beyond what admission charged, once known.
+                # A stream the client left has no usage: its relayed events count instead.
+                completion = (usage or {}).get("completion_tokens")
+                prompt = (usage or {}).get("prompt_tokens")
+                charges = token_charges(
+                    key, completion if isinstance(completion, int) else timing.events,
+                    prompt if isinstance(prompt, int) else None, prompt_tokens)
                 if charges:
                     self.spawn(self.charge(charges))
         self.record(key, model, pool, replica.name, status, stream, usage, timing, request_id)
@@ -571,6 +615,12 @@ class Gateway:
             await self.limiter.charge(charges)
         except Exception:
             logger.exception("could not charge tokens to the rate limits")
+
+    async def refund(self, limits: list[Limit]) -> None:
+        try:
+            await self.limiter.refund(limits)
+        except Exception:
+            logger.exception("could not give back a refused request's budget")
 
     async def relay_stream(self, send: Send, receive: Receive,
                            response: Response,
@@ -636,6 +686,7 @@ class Gateway:
                 complete, pending = data, b""
             else:
                 complete, pending = data[: cut + 2], data[cut + 2:]
+            timing.events += complete.count(b"data: {")
             if b'"usage"' in complete and b'"choices":[]' in complete:
                 complete, found["usage"] = take_usage(complete, keep=wants_usage)
             if complete:

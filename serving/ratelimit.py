@@ -7,7 +7,9 @@ the TAT on by c·60/L and is refused when that would put it more than 60 s ahead
 The wait until it would fit is the Retry-After.
 
 A request is admitted only when every bucket it touches has room, and then it is charged
-to all of them at once: a refused request uses no budget. Completion tokens are charged
+to all of them at once: a refused request uses no budget, and neither does one refused
+later, before it reached a replica (a full queue, a wait too long, no replica, the client
+gone): the gateway refunds it. Completion tokens are charged
 when the response ends, whatever the room (a long answer delays the next requests).
 
 In memory for one process (the embedded default); in Redis when REDIS_URL is set, one Lua
@@ -19,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -98,6 +100,9 @@ class MemoryLimiter:
         for limit in limits:
             self.buckets[limit.bucket] = _step(self.buckets.get(limit.bucket), now, limit)
 
+    async def refund(self, limits: list[Limit]) -> None:
+        await self.charge([replace(limit, cost=-limit.cost) for limit in limits])
+
 
 # KEYS: the buckets. ARGV[1]: "admit", "peek" (check only) or "charge" (no check);
 # then per bucket its interval and cost. Returns {allowed, retry_after, used...}.
@@ -123,7 +128,7 @@ local out = {1, '0'}
 for i = 1, #KEYS do
   if mode ~= 'peek' then
     redis.call('SET', KEYS[i], tostring(after[i]), 'PX',
-               math.ceil((after[i] - now) * 1000) + 1000)
+               math.max(math.ceil((after[i] - now) * 1000) + 1000, 1000))
   end
   out[#out + 1] = tostring(after[i] - now)
 end
@@ -155,6 +160,10 @@ class RedisLimiter:
     async def charge(self, limits: list[Limit]) -> None:
         await self._run("charge", limits)
 
+    async def refund(self, limits: list[Limit]) -> None:
+        """Give back what an admitted request was charged (it never reached a replica)."""
+        await self._run("charge", [replace(limit, cost=-limit.cost) for limit in limits])
+
     async def close(self) -> None:
         await self.connection.aclose()
 
@@ -179,11 +188,18 @@ def key_limits(info: Any, prompt_tokens: int) -> list[Limit]:
     return limits
 
 
-def token_charges(info: Any, tokens: int) -> list[Limit]:
-    """The token buckets to charge once the response has ended."""
-    if tokens <= 0:
-        return []
-    return [Limit("tokens", f"{owner}:tpm", tpm, tokens)
-            for owner, tpm in ((f"key:{info.key_id}", info.tpm),
-                               (f"team:{info.team_id}", info.team_tpm))
-            if tpm and not owner.endswith(":None")]
+def token_charges(info: Any, completion: int, prompt: int | None, estimated: int
+                  ) -> list[Limit]:
+    """What each token bucket is owed once the answer has ended: the completion, and the
+    prompt tokens beyond what admission charged it (the estimate, capped at the bucket's
+    size), so a huge prompt pays in full, only later."""
+    charges = []
+    for owner, tpm in ((f"key:{info.key_id}", info.tpm),
+                       (f"team:{info.team_id}", info.team_tpm)):
+        if not tpm or owner.endswith(":None"):
+            continue
+        charged = min(max(1, estimated), tpm)
+        owed = max(0, completion) + max(0, (prompt or 0) - charged)
+        if owed > 0:
+            charges.append(Limit("tokens", f"{owner}:tpm", tpm, owed))
+    return charges

@@ -114,5 +114,6 @@ def write_batch(batch: list[Usage]) -> None:
                 f"{q('prompt_tokens_total')} = {q('prompt_tokens_total')} + %s, "
                 f"{q('completion_tokens_total')} = {q('completion_tokens_total')} + %s, "
                 f"{q('last_used_at')} = %s WHERE {q('id')} = %s",
+                # In key order, so concurrent writers lock rows in the same order.
                 [(n, p, c, at(datetime.fromtimestamp(last, UTC)), key_id)
-                 for key_id, (n, p, c, last) in totals.items()])
+                 for key_id, (n, p, c, last) in sorted(totals.items())])

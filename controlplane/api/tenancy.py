@@ -181,9 +181,14 @@ class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
         query.is_valid(raise_exception=True)
         data = query.validated_data
         actor = actor_of(request)
-        if user.is_superuser and ("role" in request.data or "is_active" in request.data):
+        if user.is_superuser and not getattr(request.user, "is_superuser", False):
+            # Nobody but a superuser may change one (their role, state or password).
             raise serializers.ValidationError(
-                {"role": ["a superuser is always an admin; change it in the admin site"]})
+                {"username": ["a superuser is changed only by a superuser, in the admin "
+                              "site"]})
+        if user.is_superuser and "role" in request.data:
+            raise serializers.ValidationError(
+                {"role": ["a superuser is always an admin"]})
         with transaction.atomic():
             if "role" in request.data:
                 set_role(user, None if data["role"] == "none" else data["role"], actor=actor)

@@ -159,5 +159,7 @@ def test_the_dashboard_charts_and_lists_every_decision_with_its_inputs(
     assert row.nth(3).inner_text() == "waiting_per_replica 0.00 / 4.00 → 0"
     chart = page.locator("#chart-signals")
     assert chart.get_attribute("data-series") == "1"
-    assert chart.get_attribute("data-last") == "0"  # nothing waiting: 0 of the target
+    # Nothing waiting: 0 of the target (the newest pass's decision follows its figures).
+    page.wait_for_function("document.querySelector('#chart-signals').dataset.last === '0'",
+                           timeout=10_000)
     page.close()

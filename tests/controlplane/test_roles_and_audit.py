@@ -23,7 +23,7 @@ pytestmark = pytest.mark.django_db
 def user_with(role: str | None, name: str | None = None) -> User:
     user = User.objects.create_user(name or f"user-{role}", password="pw-12345678")
     if role:
-        user.groups.add(Group.objects.get(name=role))
+        user.groups.add(Group.objects.get_or_create(name=role)[0])
     return user
 
 
@@ -139,6 +139,12 @@ def test_users_get_roles_and_every_change_is_audited(admin_client: APIClient) ->
                              format="json").status_code == 400
     assert admin_client.patch("/api/v1/users/eve/", {"role": "god"},
                               format="json").status_code == 400
+    root = User.objects.create_superuser("root", password="root-password")
+    taken = admin_client.patch("/api/v1/users/root/", {"password": "mine-now-123"},
+                               format="json")
+    assert taken.status_code == 400 and "superuser" in str(taken.json())
+    root.refresh_from_db()
+    assert root.check_password("root-password")
 
 
 def test_changes_to_deployments_and_models_are_audited(admin_client: APIClient,

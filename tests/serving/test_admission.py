@@ -127,7 +127,7 @@ def test_a_wait_past_the_class_limit_is_refused_with_503() -> None:
         await admission.acquire("demo|all", 1, STANDARD)
         with pytest.raises(Refused) as refused:
             await admission.acquire("demo|all", 1, hurried)
-        return refused.value, len(admission.lane("demo|all").waiting)
+        return refused.value, admission.lane("demo|all").waiting()
 
     refused, left = asyncio.run(run())
     assert refused.status == 503 and refused.code == "queue_timeout"

@@ -83,6 +83,25 @@ def test_completion_tokens_are_charged_after_the_answer(kind: str) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("kind", limiters())
+def test_a_refund_gives_the_budget_back(kind: str) -> None:
+    async def run() -> None:
+        limiter = make(kind)
+        rpm = [Limit("requests", bucket(), 2, 1)]
+        assert (await limiter.admit(rpm)).allowed and (await limiter.admit(rpm)).allowed
+        await limiter.refund(rpm)  # the second never reached a replica
+        assert (await limiter.admit(rpm)).allowed
+        assert not (await limiter.admit(rpm)).allowed
+        fresh = [Limit("requests", bucket(), 2, 1)]
+        await limiter.refund(fresh)  # nothing to give back: no credit beyond a full bucket
+        verdicts = [await limiter.admit(fresh) for _ in range(3)]
+        assert [v.allowed for v in verdicts] == [True, True, False]
+        if isinstance(limiter, RedisLimiter):
+            await limiter.close()
+
+    asyncio.run(run())
+
+
 def test_two_limiters_on_one_redis_share_one_budget() -> None:
     async def run() -> None:
         flush_redis_budgets(REDIS)
@@ -107,6 +126,9 @@ def test_the_buckets_of_a_key_and_its_team() -> None:
         ("key:7:rpm", 10, 1), ("team:3:rpm", 100, 1), ("team:3:tpm", 5000, 40)]
     # A prompt larger than the whole budget is admitted on an empty bucket.
     assert key_limits(info, prompt_tokens=9000)[-1].cost == 5000
-    assert [lim.bucket for lim in token_charges(info, 12)] == ["team:3:tpm"]
-    assert token_charges(info, 0) == []
+    assert [(lim.bucket, lim.cost) for lim in token_charges(info, 12, 40, 40)] == [
+        ("team:3:tpm", 12)]
+    assert token_charges(info, 0, 40, 40) == []
+    # A 9000-token prompt was charged 5000 at admission: the rest is owed afterwards.
+    assert [lim.cost for lim in token_charges(info, 10, 9000, 9000)] == [4010]
     assert key_limits(KeyInfo(8, "free", "inference", ()), 10) == []

@@ -248,3 +248,27 @@ def test_an_unreachable_budget_store_refuses_limited_keys_with_503(
     assert refused.json()["error"]["code"] == "limits_unavailable"
     assert refused.headers["retry-after"] == "1"
     assert post(gateway_url, free).status_code == 200  # no budget to check
+
+
+def test_a_client_that_leaves_the_queue_frees_its_place_and_its_budget(
+        gateway_url: str, fake_engines: Engines, settings: Any) -> None:
+    from serving.gateway import gateway
+    from serving.priority import parse_classes
+
+    publish("demo", [fake_engines("demo-1", interval_ms=100)], replica_concurrency=1)
+    _, key = create_api_key("k", "inference", rpm=3)
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 10}  # about 1 s each
+    first = threading.Thread(target=post, args=(gateway_url, key, body))
+    first.start()
+    wait_until(lambda: gateway.admission.lane("demo|all").busy == 1)
+    with pytest.raises(httpx.TimeoutException):  # waits in the queue, then gives up
+        httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=0.3,
+                   headers={"Authorization": f"Bearer {key}"})
+    wait_until(lambda: gateway.admission.queued("demo") == {})  # gone from the queue
+    settings.PRIORITY_CLASSES = parse_classes('{"standard": {"level": 10, "max_queued": 0}}')
+    full = [post(gateway_url, key, body) for _ in range(2)]
+    assert [a.json()["error"]["code"] for a in full] == ["queue_full"] * 2
+    first.join(timeout=30)
+    # 1 served + 3 that never reached a replica, on a budget of 3 a minute: the three
+    # were given back, so this one still fits.
+    assert post(gateway_url, key, body).status_code == 200
