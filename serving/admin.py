@@ -5,8 +5,23 @@ from django.contrib import admin
 from serving.models import ApiKey, Team
 
 
+class ReadOnly:
+    """Keys and teams are only shown here: they are made, changed and revoked on the Keys
+    page, through the REST API or `manage.py create_api_key`, which show a key once and
+    write the audit log."""
+
+    def has_add_permission(self, request: object) -> bool:
+        return False
+
+    def has_change_permission(self, request: object, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: object, obj: object = None) -> bool:
+        return False
+
+
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
+class ApiKeyAdmin(ReadOnly, admin.ModelAdmin[ApiKey]):
     list_display = ("name", "prefix", "scope", "team", "user", "priority", "rpm_limit",
                     "tpm_limit", "expires_at", "requests_total", "last_used_at",
                     "revoked_at")
@@ -15,30 +30,8 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
     readonly_fields = ("prefix", "key_hash", "created_at", "requests_total",
                        "prompt_tokens_total", "completion_tokens_total", "last_used_at")
 
-    # Read only here: keys are made and revoked on the Keys page, through the REST API or
-    # `manage.py create_api_key`, which show the key once and write the audit log.
-    def has_add_permission(self, request: object) -> bool:
-        return False
-
-    def has_change_permission(self, request: object, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: object, obj: object = None) -> bool:
-        return False
-
 
 @admin.register(Team)
-class TeamAdmin(admin.ModelAdmin[Team]):
-    """Read only, like keys: teams change on the Keys page or through the REST API."""
-
+class TeamAdmin(ReadOnly, admin.ModelAdmin[Team]):
     list_display = ("name", "rpm_limit", "tpm_limit", "created_at")
     search_fields = ("name",)
-
-    def has_add_permission(self, request: object) -> bool:
-        return False
-
-    def has_change_permission(self, request: object, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: object, obj: object = None) -> bool:
-        return False

@@ -171,3 +171,43 @@ def test_changes_to_deployments_and_models_are_audited(admin_client: APIClient,
     assert deleted["before"]["name"] == "old"
     only_models = admin_client.get("/api/v1/events/", {"action": "model-deleted"}).json()
     assert [e["action"] for e in only_models["results"]] == ["model-deleted"]
+
+
+@pytest.mark.parametrize(("admission", "field"), [
+    ({"replica_concurrency": 0}, "admission.replica_concurrency"),
+    ({"long_prompt_tokens": 2048}, "admission.long_replicas"),
+    ({"long_prompt_tokens": 2048, "long_replicas": 4}, "admission.long_replicas"),
+    ({"speed": 1}, "admission.speed"),
+    ("fast", "admission"),
+])
+def test_bad_admission_settings_are_refused(admin_client: APIClient, admission: Any,
+                                            field: str) -> None:
+    make_model("llama")
+    response = admin_client.post("/api/v1/deployments/", {
+        "name": "chat", "model": "llama", "max_replicas": 4, "admission": admission},
+        format="json")
+    assert response.status_code == 400 and field in response.json(), response.json()
+
+
+def test_the_route_table_carries_admission_and_the_long_pool_is_the_oldest() -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from controlplane.models import Replica
+    from controlplane.routing import current_pools
+
+    deployment = make_deployment("chat", model=make_model("llama"), max_replicas=4,
+                                 engine_args={"max_num_seqs": 32,
+                                              "scheduling_policy": "priority"},
+                                 admission={"long_prompt_tokens": 2048, "long_replicas": 1})
+    now = timezone.now()
+    for name, age in (("chat-9", 300), ("chat-10", 10), ("chat-11", 60)):
+        Replica.objects.create(deployment=deployment, name=name, phase="ready",
+                               role="active", endpoint=f"http://127.0.0.1:9/{name}",
+                               ready_at=now - timedelta(seconds=age))
+    [pool] = current_pools()
+    assert pool.long_replicas == ("chat-9",)  # ready the longest, not first by name
+    assert pool.replica_concurrency == 32 and pool.priority_scheduling
+    assert sorted(r.name for r in pool.lanes()["short"]) == ["chat-10", "chat-11"]
+    assert pool.lane_for(4000) == "long" and pool.lane_for(100) == "short"
