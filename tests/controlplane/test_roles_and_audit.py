@@ -211,3 +211,21 @@ def test_the_route_table_carries_admission_and_the_long_pool_is_the_oldest() -> 
     assert pool.replica_concurrency == 32 and pool.priority_scheduling
     assert sorted(r.name for r in pool.lanes()["short"]) == ["chat-10", "chat-11"]
     assert pool.lane_for(4000) == "long" and pool.lane_for(100) == "short"
+
+
+def test_the_admin_site_shows_keys_and_teams_but_changes_go_through_the_audited_paths(
+        ) -> None:
+    from serving.services import create_api_key, create_team
+
+    create_team("search")
+    record, _ = create_api_key("crawler", "inference", team="search")
+    client = Client()
+    client.force_login(User.objects.create_superuser("su", password="pw-12345678"))
+    listing = client.get("/admin/serving/apikey/")
+    assert listing.status_code == 200 and "crawler" in listing.content.decode()
+    assert client.get("/admin/serving/team/").status_code == 200
+    assert client.get("/admin/serving/apikey/add/").status_code == 403
+    changed = client.post(f"/admin/serving/apikey/{record.pk}/change/", {"name": "x"})
+    assert changed.status_code == 403
+    assert ApiKey.objects.get(pk=record.pk).name == "crawler"
+    assert page_as("operator").get("/admin/").status_code == 302  # not staff: log in
