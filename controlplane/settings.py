@@ -171,6 +171,8 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "REST API of the Fleetplane control plane for vLLM fleets.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The schema and its browsable page need a role too (viewer or above, or an admin key).
+    "SERVE_PERMISSIONS": ["access.roles.RolePermission"],
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",

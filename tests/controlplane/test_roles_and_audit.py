@@ -58,6 +58,12 @@ def test_the_api_checks_the_role(role: str | None, read: int, write: int, keys: 
     assert client.get("/api/v1/events/").status_code == keys  # the whole audit log
 
 
+def test_the_api_schema_needs_a_role() -> None:
+    assert APIClient().get("/api/schema/").status_code in (401, 403)
+    assert api_as(None).get("/api/schema/").status_code == 403
+    assert api_as("viewer").get("/api/schema/").status_code == 200
+
+
 def test_the_pages_check_the_role() -> None:
     make_deployment("chat", model=make_model("llama"))
     viewer, operator = page_as("viewer"), page_as("operator")
