@@ -10,6 +10,11 @@ requests sent through the gateway every 0.25 s from the decision on), and the TT
 the streams during the step.
 
     .venv/bin/python bench/autoscale.py [--streams 32] [--only standby|cold]
+                                        [--cores-per-replica N]
+
+With --cores-per-replica the replicas run on a local backend that gives each its own
+cores (`cpu_cores_per_replica`), as a CPU fleet would be laid out: the promoted standby
+then has a core the loaded replica does not use.
 
 Targets: the decision within 2 scrape intervals (4 s); with a standby, serving under 1 s
 after the decision. The last line prints the standby case's decision-to-serving time.
@@ -101,10 +106,12 @@ async def load(url: str, key: str, model: str, streams: int, seconds: float,
         await asyncio.gather(*(worker(client) for _ in range(streams)))
 
 
-def case(product: Product, name: str, standby: int, streams: int) -> dict[str, float]:
+def case(product: Product, name: str, standby: int, streams: int,
+         backend: str = "local") -> dict[str, float]:
     response = httpx.post(product.url + "/api/v1/deployments/", timeout=30, headers={
         "Authorization": f"Bearer {product.admin}"}, json={
-        "name": name, "model": DEMO_MODEL_NAME, "replicas": 1, "min_replicas": 1,
+        "name": name, "model": DEMO_MODEL_NAME, "backend": backend, "replicas": 1,
+        "min_replicas": 1,
         "max_replicas": 2, "standby": standby, "autoscaling": POLICY,
         "engine_args": {"max_model_len": 1024, "extra_args": ["--enforce-eager"]}})
     if response.status_code != 201:
@@ -211,18 +218,30 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--only", choices=("standby", "cold"), default="")
+    parser.add_argument("--cores-per-replica", type=int, default=0, metavar="N",
+                        help="run the replicas on a local backend that binds N cores to "
+                             "each (cpu_cores_per_replica), instead of letting them share")
     options = parser.parse_args()
     product = Product(SCRAPE_INTERVAL=str(SCRAPE), RECONCILE_INTERVAL_SECONDS="0.5",
                       HEALTH_CHECK_SECONDS="2", LOCAL_KV_CACHE_GIB="1")
     try:
         print("importing the demo model ...")
         manage(product.env, "import_demo_model")
+        backend = "local"
+        if options.cores_per_replica:
+            backend = "bound"
+            response = httpx.post(product.url + "/api/v1/backends/", timeout=30, headers={
+                "Authorization": f"Bearer {product.admin}"}, json={
+                "name": backend, "kind": "local", "config": {
+                    "cpu_cores_per_replica": options.cores_per_replica, "kv_cache_gib": 1}})
+            if response.status_code != 201:
+                raise SystemExit(f"creating the backend: {response.text}")
         results = {}
         if options.only != "cold":
-            results["standby"] = case(product, "warm", 1, options.streams)
+            results["standby"] = case(product, "warm", 1, options.streams, backend)
             print(f"with a standby: {results['standby']}")
         if options.only != "standby":
-            results["cold"] = case(product, "cold", 0, options.streams)
+            results["cold"] = case(product, "cold", 0, options.streams, backend)
             print(f"without a standby: {results['cold']}")
         for label, figures in results.items():
             steps = (f", of which decision -> promoted/ready {figures['promotion_s']:.2f} s "
