@@ -149,15 +149,25 @@ class Admission:
             lane.capacity = capacity
             self.dispatch(lane)
 
-    async def acquire(self, name: str, capacity: int, priority: PriorityClass) -> Ticket:
-        """A slot in the lane `name` (deployment|pool), at once or after waiting; raises
-        Refused when the class's queue is full or the wait runs out."""
+    def try_acquire(self, name: str, capacity: int, priority: PriorityClass
+                    ) -> Ticket | None:
+        """A slot at once if one is free for this class and nobody waits (the common
+        case: no task, no await), else None."""
         self.set_capacity(name, capacity)
         lane = self.lane(name)
-        now = time.monotonic()
         if lane.busy < priority.slots(lane.capacity) and not lane.waiting():
             lane.busy += 1
             return Ticket(name, 0, 0.0)
+        return None
+
+    async def acquire(self, name: str, capacity: int, priority: PriorityClass) -> Ticket:
+        """A slot in the lane `name` (deployment|pool), at once or after waiting; raises
+        Refused when the class's queue is full or the wait runs out."""
+        ticket = self.try_acquire(name, capacity, priority)
+        if ticket is not None:
+            return ticket
+        lane = self.lane(name)
+        now = time.monotonic()
         queue = lane.queues.setdefault(priority.name, deque())
         if len(queue) >= priority.max_queued:
             retry = lane.estimate(lane.waiting(), now, priority.max_wait_seconds)

@@ -433,8 +433,11 @@ class Gateway:
         """A slot from the priority queue. With `receive` (an HTTP request), a client that
         disconnects while it waits leaves the queue at once: the server does not cancel the
         request's task, it only says so through `receive`."""
+        ticket = self.admission.try_acquire(lane, capacity, priority)
+        if ticket is not None:
+            return ticket
         acquiring = asyncio.ensure_future(self.admission.acquire(lane, capacity, priority))
-        if receive is None or acquiring.done():
+        if receive is None:
             return await acquiring
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
