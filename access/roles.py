@@ -97,6 +97,32 @@ class RolePermission(permissions.BasePermission):
         return str(getattr(view, "write_role", "operator"))
 
 
+class UserExists(ValueError):
+    pass
+
+
+@transaction.atomic
+def create_user(username: str, role: str | None, *, actor: str, password: str = "",
+                is_active: bool = True) -> tuple[Any, str]:
+    """A new user with one role, recorded in the audit log; returns the user and the
+    password (made here when none is given: the caller shows it once)."""
+    import secrets
+
+    from django.contrib.auth import get_user_model
+
+    from access.signals import record
+
+    users = get_user_model()
+    if users.objects.filter(username=username).exists():
+        raise UserExists(f"a user named {username!r} already exists")
+    password = password or secrets.token_urlsafe(12)
+    user = users.objects.create_user(username, password=password, is_active=is_active)
+    record(actor, "user-created", f"user {username} created",
+           after={"username": username, "is_active": is_active})
+    set_role(user, role, actor=actor)
+    return user, password
+
+
 def actor_of(request: Any) -> str:
     """Who made a request, as the audit log names them: a user name or `key:<name>`."""
     user = request.user

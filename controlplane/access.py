@@ -15,7 +15,7 @@ from django.urls import path
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from access.roles import ROLES, role_of, role_required, set_role
+from access.roles import ROLES, UserExists, create_user, role_of, role_required, set_role
 from serving import services
 from serving.models import ApiKey, Team
 from serving.priority import DEFAULT_CLASS, classes
@@ -107,23 +107,15 @@ def revoke_key(request: HttpRequest, pk: int) -> HttpResponse:
 
 @role_required("admin")
 def users_page(request: HttpRequest) -> HttpResponse:
-    import secrets
-
-    from controlplane.services import audit
-
     form = UserForm(request.POST or None)
     created = request.session.pop("new_user", None) if request.method == "GET" else None
     if request.method == "POST" and form.is_valid():
-        users = get_user_model()
         name = form.cleaned_data["username"]
-        if users.objects.filter(username=name).exists():
-            form.add_error("username", f"a user named {name!r} already exists")
+        try:
+            _, password = create_user(name, form.cleaned_data["role"], actor=actor(request))
+        except UserExists as exc:
+            form.add_error("username", str(exc))
         else:
-            password = secrets.token_urlsafe(12)  # shown once, on the next page
-            user = users.objects.create_user(name, password=password)
-            audit(actor(request), "user-created", None, f"user {name} created",
-                  after={"username": name, "is_active": True})
-            set_role(user, form.cleaned_data["role"], actor=actor(request))
             messages.success(request, f"User {name} created.")
             request.session["new_user"] = [name, password]
             return redirect("users")

@@ -20,6 +20,7 @@ from typing import Any
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
 
+from access import signals
 from models_registry import importers
 from models_registry.importers import ModelSourceError
 from models_registry.models import Model
@@ -69,21 +70,14 @@ def register_model(spec: ModelSpec, *, import_in_background: bool = True,
     background thread unless told otherwise); Hugging Face ids are recorded. The audit
     log records who registered it."""
     model = _register(spec, import_in_background)
-    _audit(actor, "model-registered", f"model {model.name} registered ({model.source})",
-           after=model_summary(model))
+    signals.record(actor, "model-registered", f"model {model.name} registered ({model.source})",
+                   after=model_summary(model))
     return model
 
 
 def model_summary(model: Model) -> dict[str, Any]:
     return {"name": model.name, "source": model.source, "source_uri": model.source_uri,
             "path": model.path, "status": model.status, "revision": model.revision}
-
-
-def _audit(actor: str, action: str, message: str, before: Any = None,
-           after: Any = None) -> None:
-    from access.signals import record
-
-    record(actor, action, message, before, after)
 
 
 def _register(spec: ModelSpec, import_in_background: bool) -> Model:
@@ -233,7 +227,7 @@ def delete_model(model: Model, *, actor: str = "system") -> None:
     folder = Path(model.path).resolve() if model.path else None
     with transaction.atomic():
         model.delete()
-        _audit(actor, "model-deleted", f"model {before['name']} deleted", before=before)
+        signals.record(actor, "model-deleted", f"model {before['name']} deleted", before=before)
         # Only folders the registry wrote itself are removed; a registered local folder
         # belongs to its owner.
         if folder is not None and folder.parent == managed_root and model.source == "gguf":

@@ -12,6 +12,7 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.utils import timezone
 
+from access import signals
 from serving.models import ApiKey, Team
 
 KEY_PREFIX = "fp-"
@@ -47,13 +48,6 @@ def _limit(field: str, value: Any) -> int | None:
         raise KeyRequestError(field, f"{field} must be a whole number of at least 1 (or empty "
                                f"for no limit)")
     return value
-
-
-def _audit(actor: str, action: str, message: str, before: Any = None,
-           after: Any = None) -> None:
-    from access.signals import record
-
-    record(actor, action, message, before, after)
 
 
 @transaction.atomic
@@ -95,8 +89,8 @@ def create_api_key(name: str, scope: str, *, team: str | None = None,
         name=name.strip(), scope=scope, prefix=key[:10], key_hash=hash_key(key),
         team=team_record, user=user_record, allowed_models=allowed, priority=priority,
         rpm_limit=_limit("rpm", rpm), tpm_limit=_limit("tpm", tpm), expires_at=expires_at)
-    _audit(actor, "key-created", f"API key {record.name} ({record.prefix}…) created",
-           after=key_summary(record))
+    signals.record(actor, "key-created", f"API key {record.name} ({record.prefix}…) created",
+                   after=key_summary(record))
     return record, key
 
 
@@ -106,8 +100,8 @@ def revoke_api_key(record: ApiKey, *, actor: str = "system") -> ApiKey:
         before = key_summary(record)
         record.revoked_at = timezone.now()
         record.save(update_fields=["revoked_at"])
-        _audit(actor, "key-revoked", f"API key {record.name} ({record.prefix}…) revoked",
-               before=before, after=key_summary(record))
+        signals.record(actor, "key-revoked", f"API key {record.name} ({record.prefix}…) revoked",
+                       before=before, after=key_summary(record))
     return record
 
 
@@ -120,8 +114,8 @@ def create_team(name: str, *, rpm: int | None = None, tpm: int | None = None,
         raise KeyRequestError("name", f"a team named {name.strip()!r} already exists")
     team = Team.objects.create(name=name.strip(), rpm_limit=_limit("rpm", rpm),
                                tpm_limit=_limit("tpm", tpm))
-    _audit(actor, "team-created", f"team {team.name} created",
-           after={"name": team.name, "rpm": team.rpm_limit, "tpm": team.tpm_limit})
+    signals.record(actor, "team-created", f"team {team.name} created",
+                   after={"name": team.name, "rpm": team.rpm_limit, "tpm": team.tpm_limit})
     return team
 
 
@@ -132,8 +126,8 @@ def update_team(team: Team, *, actor: str = "system", **limits: Any) -> Team:
         if field in limits:
             setattr(team, f"{field}_limit", _limit(field, limits[field]))
     team.save()
-    _audit(actor, "team-changed", f"team {team.name} changed", before=before,
-           after={"name": team.name, "rpm": team.rpm_limit, "tpm": team.tpm_limit})
+    signals.record(actor, "team-changed", f"team {team.name} changed", before=before,
+                   after={"name": team.name, "rpm": team.rpm_limit, "tpm": team.tpm_limit})
     return team
 
 

@@ -14,7 +14,7 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from access.roles import ROLES, actor_of, role_of, set_role
+from access.roles import ROLES, UserExists, actor_of, create_user, role_of, set_role
 from serving import services
 from serving.models import ApiKey, Team
 
@@ -147,25 +147,16 @@ class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
 
     @extend_schema(request=UserSerializer, responses={201: UserSerializer})
     def create(self, request: Request) -> Response:
-        import secrets
-
-        from controlplane.services import audit
-
         query = UserSerializer(data=request.data)
         query.is_valid(raise_exception=True)
         data = query.validated_data
-        users = get_user_model()
-        if users.objects.filter(username=data["username"]).exists():
-            raise serializers.ValidationError(
-                {"username": [f"a user named {data['username']!r} already exists"]})
-        password = data.get("password") or secrets.token_urlsafe(12)
-        actor = actor_of(request)
-        with transaction.atomic():
-            user = users.objects.create_user(data["username"], password=password,
-                                             is_active=data["is_active"])
-            audit(actor, "user-created", None, f"user {user.get_username()} created",
-                  after={"username": user.get_username(), "is_active": user.is_active})
-            set_role(user, None if data["role"] == "none" else data["role"], actor=actor)
+        try:
+            user, password = create_user(
+                data["username"], None if data["role"] == "none" else data["role"],
+                actor=actor_of(request), password=data.get("password") or "",
+                is_active=data["is_active"])
+        except UserExists as exc:
+            raise serializers.ValidationError({"username": [str(exc)]}) from None
         body = dict(UserSerializer(user).data)
         if not data.get("password"):
             body["password"] = password  # made here: shown this once
