@@ -100,7 +100,9 @@ def ready_replicas(api: Api, count: int, deployment: str = "demo") -> list[dict[
 def complete(endpoint: str, tokens: int = 30) -> dict[str, Any]:
     response = httpx.post(f"{endpoint}/v1/completions", timeout=120, json={
         "model": "demo", "prompt": "The capital of France is", "max_tokens": tokens,
-        "temperature": 0})
+        # Exactly `tokens` tokens, whatever the model says (an end-of-text token would stop
+        # it early, and where it comes depends on the CPU's numerics).
+        "temperature": 0, "ignore_eos": True})
     response.raise_for_status()
     return dict(response.json())
 
