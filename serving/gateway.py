@@ -293,7 +293,8 @@ class Gateway:
     async def read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = settings.GATEWAY_MAX_BODY_BYTES
         declared = header(scope, b"content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
+        # isdigit() alone takes "¹" (a latin-1 header byte) for a digit int() refuses.
+        if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise GatewayError(413, f"request body over the limit of {limit} bytes",
                                code="request_too_large")
         chunks, size = [], 0
@@ -793,7 +794,12 @@ def upstream_error_body(status: int, payload: bytes) -> bytes:
     if isinstance(parsed, dict):
         error = parsed.get("error")
         if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return payload
+            if isinstance(error.get("type"), str) and "param" in error and "code" in error:
+                return payload
+            return orjson.dumps({"error": {  # the fields a client reads, always there
+                **error, "type": error["type"] if isinstance(error.get("type"), str)
+                else "upstream_error", "param": error.get("param"),
+                "code": error.get("code")}})
         if parsed.get("object") == "error" and isinstance(parsed.get("message"), str):
             return orjson.dumps({"error": {
                 "message": parsed["message"][:UPSTREAM_MESSAGE_CHARS],
