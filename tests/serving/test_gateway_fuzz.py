@@ -157,7 +157,11 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     left = asyncio.all_tasks(running)  # the gateway's load watcher and usage writer
     for task in left:
         task.cancel()
-    running.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+
+    async def finish() -> None:  # gather() of nothing would make a future on another loop
+        await asyncio.gather(*left, return_exceptions=True)
+
+    running.run_until_complete(finish())
     running.run_until_complete(running.shutdown_asyncgens())
     running.close()
 
