@@ -26,6 +26,7 @@ from django.conf import settings
 from serving import metrics
 from serving.admission import Admission, Refused, Ticket, retry_after_header
 from serving.keys import KeyInfo, authenticate, follow_key_changes
+from serving.models import REQUEST_ID_MAX_LENGTH
 from serving.priority import DEFAULT_CLASS, PriorityClass, classes
 from serving.ratelimit import (
     Limit,
@@ -197,7 +198,8 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.http()  # the load watcher (which also follows the route table) runs
         request_id = header(scope, b"x-request-id") or ""
-        if not request_id or len(request_id) > 200 or not request_id.isprintable():
+        if (not request_id or len(request_id) > REQUEST_ID_MAX_LENGTH
+                or not request_id.isprintable()):
             request_id = uuid.uuid4().hex  # absent, or not fit to log and pass on
         base_headers = [(b"x-request-id", request_id.encode())]
         try:
