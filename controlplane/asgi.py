@@ -17,6 +17,7 @@ from django.urls import path, re_path  # noqa: E402
 from controlplane.consumers import DashboardConsumer, PlaygroundConsumer  # noqa: E402
 from serving.gateway import gateway  # noqa: E402
 from serving.metrics_endpoint import metrics_application  # noqa: E402
+from serving.proxies import with_client_address  # noqa: E402
 
 websocket_urlpatterns: list[object] = [
     path("ws/dashboard/", DashboardConsumer.as_asgi()),
@@ -39,9 +40,9 @@ async def http_application(scope: dict, receive: object, send: object) -> None:
 
 application = ProtocolTypeRouter(
     {
-        "http": http_application,
-        "websocket": AllowedHostsOriginValidator(
+        "http": with_client_address(http_application),
+        "websocket": with_client_address(AllowedHostsOriginValidator(
             AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
-        ),
+        )),
     }
 )

@@ -26,6 +26,7 @@ from controlplane.envconfig import (
     redis_url,
 )
 from serving.priority import parse_classes
+from serving.proxies import parse_networks as _trusted_networks
 
 # Lets the admin and forms be written with type parameters (ModelAdmin[Model]).
 django_stubs_ext.monkeypatch()
@@ -222,8 +223,16 @@ GATEWAY_QUEUE_AGING_SECONDS = env_float("GATEWAY_QUEUE_AGING_SECONDS", 10.0, min
 # Requests one replica takes at once before the gateway queues, unless the deployment
 # says (its `replica_concurrency`, else its engine argument max_num_seqs).
 GATEWAY_REPLICA_CONCURRENCY = env_int("GATEWAY_REPLICA_CONCURRENCY", 256, minimum=1)
-# 0: no limit (for gateways behind a proxy, where every client shares its address).
+# Failed authentication attempts one client address may make per minute before further
+# failed attempts get 429 (a request with a valid key is never refused by it); 0: no limit.
 GATEWAY_AUTH_FAILURES_PER_MINUTE = env_int("GATEWAY_AUTH_FAILURES_PER_MINUTE", 30, minimum=0)
+# Proxies (addresses or networks) whose X-Forwarded-For names the client (serving/proxies.py);
+# empty: the connection's address is the client, whatever the headers say.
+TRUSTED_PROXIES = env_list("TRUSTED_PROXIES")
+try:
+    _trusted_networks(TRUSTED_PROXIES)
+except ValueError as _exc:
+    raise SettingError(f"TRUSTED_PROXIES: {_exc}") from None
 USAGE_FLUSH_SECONDS = env_float("USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
 
 # The metrics collector and the live dashboards.

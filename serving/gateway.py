@@ -32,7 +32,6 @@ from serving.ratelimit import (
     Limit,
     MemoryLimiter,
     RedisLimiter,
-    Verdict,
     key_limits,
     token_charges,
 )
@@ -91,8 +90,6 @@ class Gateway:
         self.admission = Admission()
         self.limiter: MemoryLimiter | RedisLimiter = MemoryLimiter()
         self.limiter_url: str | None = None
-        # client address -> when it last failed to authenticate (this process)
-        self.auth_failures: dict[str, float] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
 
     # --- plumbing --------------------------------------------------------------------
@@ -218,38 +215,29 @@ class Gateway:
 
     async def authenticate(self, scope: Scope) -> KeyInfo:
         """The caller's key. Unknown, revoked, expired, forged and truncated keys all get
-        the same 401; an address with too many failures in a minute gets 429."""
-        address = (scope.get("client") or ("-", 0))[0]
-        if not settings.GATEWAY_AUTH_FAILURES_PER_MINUTE:
-            return await self.check_key(scope)
-        failures = Limit("requests", f"authfail:{address}",
-                         settings.GATEWAY_AUTH_FAILURES_PER_MINUTE, 1)
-        if address in self.auth_failures:
-            if time.monotonic() - self.auth_failures[address] > 60:
-                del self.auth_failures[address]
-            else:
-                try:
-                    verdict = await self.limiter.admit([failures], commit=False)
-                except Exception:  # no count to go by: the key check still runs
-                    logger.exception("could not read the failed-attempt count")
-                    verdict = Verdict(True)
-                if not verdict.allowed:
-                    metrics.child(metrics.REFUSED, "-", "auth_failures").inc()
-                    raise GatewayError(
-                        429, "too many failed authentication attempts from this address",
-                        kind="rate_limit_error", code="too_many_auth_failures",
-                        headers=[retry_after_header(verdict.retry_after)])
+        the same 401. Failed attempts are counted per client address: beyond
+        GATEWAY_AUTH_FAILURES_PER_MINUTE, further failed attempts get 429. A request with
+        a valid key is never refused by that count, so one client guessing keys behind a
+        shared address (an ingress, a NAT) cannot lock the others out."""
         try:
             return await self.check_key(scope)
         except GatewayError:
-            if len(self.auth_failures) > 100_000:
-                self.auth_failures.clear()
-            self.auth_failures[address] = time.monotonic()
+            if not settings.GATEWAY_AUTH_FAILURES_PER_MINUTE:
+                raise
+            address = (scope.get("client") or ("-", 0))[0]
+            failures = Limit("requests", f"authfail:{address}",
+                             settings.GATEWAY_AUTH_FAILURES_PER_MINUTE, 1)
             try:
-                await self.limiter.charge([failures])
-            except Exception:
-                logger.exception("could not count a failed attempt")
-            raise
+                verdict = await self.limiter.admit([failures])  # counts this attempt
+            except Exception:  # no count to go by: the attempt is answered as it is
+                logger.exception("could not count a failed authentication attempt")
+                raise
+            if verdict.allowed:
+                raise
+        metrics.child(metrics.REFUSED, "-", "auth_failures").inc()
+        raise GatewayError(429, "too many failed authentication attempts from this address",
+                           kind="rate_limit_error", code="too_many_auth_failures",
+                           headers=[retry_after_header(verdict.retry_after)])
 
     async def check_key(self, scope: Scope) -> KeyInfo:
         value = header(scope, b"authorization")

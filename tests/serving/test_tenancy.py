@@ -102,16 +102,18 @@ def test_every_bad_key_gets_the_same_401(gateway_url: str, fake_engines: Engines
     assert post(gateway_url, good).status_code == 200
 
 
-def test_an_address_that_keeps_failing_is_held_off(gateway_url: str, settings: Any,
-                                                   fake_engines: Engines) -> None:
+def test_failed_attempts_from_an_address_never_lock_out_a_valid_key(
+        gateway_url: str, settings: Any, fake_engines: Engines) -> None:
     publish("demo", [fake_engines("demo-1")])
     settings.GATEWAY_AUTH_FAILURES_PER_MINUTE = 3
     _, good = create_api_key("good", "inference")
     codes = [post(gateway_url, f"fp-guess{n}").status_code for n in range(5)]
     assert codes == [401, 401, 401, 429, 429]
-    held = post(gateway_url, good)  # the address is held off, whatever the key
+    assert post(gateway_url, good).status_code == 200  # same address, valid key: served
+    held = post(gateway_url, "fp-guess-again")  # further guesses stay held off
     assert held.status_code == 429 and int(held.headers["retry-after"]) >= 1
     assert held.json()["error"]["code"] == "too_many_auth_failures"
+    assert post(gateway_url, good).status_code == 200
 
 
 def test_a_key_may_ask_for_a_lower_priority_but_not_a_higher_one(
