@@ -205,6 +205,9 @@ LEADER_ELECTION_LEASE_SECONDS = env_int("LEADER_ELECTION_LEASE_SECONDS", 15, min
 # The local backend's defaults for `make run`'s demo deployment and new local backends.
 LOCAL_KV_CACHE_GIB = env_int("LOCAL_KV_CACHE_GIB", 1, minimum=1)
 
+# Every route but /v1/*: bodies over this get 413 before Django reads them.
+HTTP_MAX_BODY_BYTES = env_int("HTTP_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
+
 # The OpenAI-compatible gateway (/v1/*).
 GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)
 GATEWAY_LOAD_SCRAPE_SECONDS = env_float("GATEWAY_LOAD_SCRAPE_SECONDS", 1.0, minimum=0.1)
@@ -234,6 +237,13 @@ try:
 except ValueError as _exc:
     raise SettingError(f"TRUSTED_PROXIES: {_exc}") from None
 USAGE_FLUSH_SECONDS = env_float("USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
+# Limits on what one caller can hold (docs/admission.md): requests of one API key between
+# authentication and the end of their answer (0: no limit), the share of a class's queue
+# one key may fill, the size of a non-streamed answer relayed.
+GATEWAY_KEY_MAX_IN_FLIGHT = env_int("GATEWAY_KEY_MAX_IN_FLIGHT", 512, minimum=0)
+GATEWAY_KEY_QUEUE_SHARE = env_float("GATEWAY_KEY_QUEUE_SHARE", 0.5, minimum=0.01, maximum=1.0)
+GATEWAY_MAX_RESPONSE_BYTES = env_int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1024,
+                                     minimum=1024)
 
 # The metrics collector and the live dashboards.
 SCRAPE_INTERVAL = env_float("SCRAPE_INTERVAL", 2.0, minimum=0.2)

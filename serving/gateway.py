@@ -25,7 +25,7 @@ from django.conf import settings
 
 from serving import metrics
 from serving.admission import Admission, Refused, Ticket, retry_after_header
-from serving.keys import KeyInfo, authenticate, follow_key_changes
+from serving.keys import KeyInfo, authenticate, authenticate_hash, follow_key_changes
 from serving.models import REQUEST_ID_MAX_LENGTH
 from serving.priority import DEFAULT_CLASS, PriorityClass, classes
 from serving.ratelimit import (
@@ -78,6 +78,7 @@ class Timing:
     chunks: int = 0
     ticket: Ticket | None = None  # the admission slot held, released when the answer ends
     events: int = 0  # SSE data events relayed (the completion's size when no usage came)
+    reserved: int = 0  # completion tokens charged to the token budget at admission
 
 
 class Gateway:
@@ -91,6 +92,11 @@ class Gateway:
         self.limiter: MemoryLimiter | RedisLimiter = MemoryLimiter()
         self.limiter_url: str | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
+        # key id -> its requests between authentication and the end of their answer
+        self.key_in_flight: dict[int, int] = {}
+        # key hash -> the relays of its running streams; cut off when the key is revoked
+        self.streams: dict[str, set[asyncio.Task[None]]] = {}
+        self.cut_off: set[asyncio.Task[None]] = set()
 
     # --- plumbing --------------------------------------------------------------------
 
@@ -135,7 +141,21 @@ class Gateway:
                 self.refresh_capacity()
             except Exception:
                 logger.exception("load watcher failed; trying again")
+            try:
+                await self.end_streams_of_revoked_keys()
+            except Exception:
+                logger.exception("could not check the keys of running streams")
             await asyncio.sleep(settings.GATEWAY_LOAD_SCRAPE_SECONDS)
+
+    async def end_streams_of_revoked_keys(self) -> None:
+        """Cut off the running streams of keys revoked or expired since they began (seen
+        through the key cache: at once in this process, within GATEWAY_LOAD_SCRAPE_SECONDS
+        in others with Redis, within KEY_CACHE_SECONDS without)."""
+        for key_hash in list(self.streams):
+            if await authenticate_hash(key_hash) is None:
+                for pump in self.streams.pop(key_hash, ()):
+                    self.cut_off.add(pump)
+                    pump.cancel()
 
     def refresh_capacity(self) -> None:
         """Replicas came or went: waiting requests take the new slots."""
@@ -289,8 +309,29 @@ class Gateway:
 
     async def proxy(self, scope: Scope, receive: Receive, send: Send, kind: str,
                     request_id: str, headers: list[tuple[bytes, bytes]]) -> None:
-        timing = Timing()
         key = await self.authenticate(scope)
+        held = self.key_in_flight.get(key.key_id, 0)
+        most = settings.GATEWAY_KEY_MAX_IN_FLIGHT
+        if most and held >= most:
+            metrics.child(metrics.REFUSED, "-", "key_in_flight").inc()
+            raise GatewayError(429, f"this API key already has {held} requests in flight "
+                                    f"(at most {most}); wait for one to finish",
+                               kind="rate_limit_error", code="too_many_requests_in_flight",
+                               headers=[(b"retry-after", b"1")])
+        self.key_in_flight[key.key_id] = held + 1
+        try:
+            await self.call(scope, receive, send, kind, request_id, headers, key)
+        finally:
+            left = self.key_in_flight.get(key.key_id, 1) - 1
+            if left > 0:
+                self.key_in_flight[key.key_id] = left
+            else:
+                self.key_in_flight.pop(key.key_id, None)
+
+    async def call(self, scope: Scope, receive: Receive, send: Send, kind: str,
+                   request_id: str, headers: list[tuple[bytes, bytes]], key: KeyInfo
+                   ) -> None:
+        timing = Timing()
         raw = await self.read_body(scope, receive)
         try:
             body = orjson.loads(raw)
@@ -311,7 +352,8 @@ class Gateway:
                                code="model_not_allowed")
         priority = self.priority_of(scope, key)
         prompt_tokens = estimate_prompt_tokens(body, kind)
-        limits = key_limits(key, prompt_tokens)
+        timing.reserved = reserved_completion_tokens(body, kind)
+        limits = key_limits(key, prompt_tokens, timing.reserved)
         if limits:
             try:
                 verdict = await self.limiter.admit(limits)
@@ -392,9 +434,10 @@ class Gateway:
         if healthy:
             priority = priority or classes()[DEFAULT_CLASS]
             try:
+                owner = f"key:{key.key_id}" if key is not None else f"user:{user}"
                 timing.ticket = await self.admit(
                     f"{pool.deployment}|{lane}", healthy * pool.replica_concurrency, priority,
-                    receive)
+                    receive, owner)
             except asyncio.CancelledError:
                 # The client left while waiting; counted like a client that leaves mid-answer.
                 self.record(key, model, pool, "", 499, stream, None, timing, request_id,
@@ -419,14 +462,15 @@ class Gateway:
             raise
 
     async def admit(self, lane: str, capacity: int, priority: PriorityClass,
-                    receive: Receive | None) -> Ticket:
+                    receive: Receive | None, owner: str | None = None) -> Ticket:
         """A slot from the priority queue. With `receive` (an HTTP request), a client that
         disconnects while it waits leaves the queue at once: the server does not cancel the
         request's task, it only says so through `receive`."""
         ticket = self.admission.try_acquire(lane, capacity, priority)
         if ticket is not None:
             return ticket
-        acquiring = asyncio.ensure_future(self.admission.acquire(lane, capacity, priority))
+        acquiring = asyncio.ensure_future(self.admission.acquire(lane, capacity, priority,
+                                                                 owner))
         if receive is None:
             return await acquiring
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
@@ -559,10 +603,18 @@ class Gateway:
                 out_headers.append((b"cache-control", b"no-cache"))
                 usage, completed = await self.relay_stream(
                     send, receive, response, out_headers, wants_usage, timing, model, pool,
-                    replica)
+                    replica, key.key_hash)
             else:
                 try:
-                    payload = await read_unless_gone(response, receive)
+                    payload = await read_unless_gone(response, receive,
+                                                     settings.GATEWAY_MAX_RESPONSE_BYTES)
+                except ResponseTooLarge as exc:
+                    response.close()
+                    status = 502
+                    self.record(key, model, pool, replica.name, status, stream, None, timing,
+                                request_id)
+                    raise GatewayError(502, str(exc), kind="upstream_error",
+                                       code="response_too_large") from None
                 except UpstreamError as exc:
                     self.router.failed(replica.name)
                     metrics.child(metrics.UPSTREAM_ERRORS, model, pool.deployment).inc()
@@ -592,13 +644,15 @@ class Gateway:
             self.release(timing)
             metrics.child(metrics.IN_FLIGHT, model, pool.deployment).dec()
             if key.tpm or key.team_tpm:
-                # The completion, and the prompt beyond what admission charged, once known.
+                # What was used, less what admission charged (the prompt's estimate and the
+                # reserved completion), once known: more is charged, less given back.
                 # A stream the client left has no usage: its relayed events count instead.
                 completion = (usage or {}).get("completion_tokens")
                 prompt = (usage or {}).get("prompt_tokens")
                 charges = token_charges(
                     key, completion if isinstance(completion, int) else timing.events,
-                    prompt if isinstance(prompt, int) else None, prompt_tokens)
+                    prompt if isinstance(prompt, int) else None, prompt_tokens,
+                    timing.reserved)
                 if charges:
                     self.spawn(self.charge(charges))
         self.record(key, model, pool, replica.name, status, stream, usage, timing, request_id)
@@ -619,7 +673,8 @@ class Gateway:
                            response: Response,
                            headers: list[tuple[bytes, bytes]], wants_usage: bool,
                            timing: Timing, model: str, pool: Pool,
-                           replica: RouteReplica) -> tuple[dict[str, Any] | None, bool]:
+                           replica: RouteReplica, key_hash: str = ""
+                           ) -> tuple[dict[str, Any] | None, bool]:
         """Relay a stream; returns the usage it carried and whether it ended cleanly."""
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         found: dict[str, Any] = {}
@@ -627,6 +682,9 @@ class Gateway:
         # Two tasks per stream, none per chunk: one relays, one waits for the client to go.
         pump = loop.create_task(self.pump(send, response, wants_usage, timing, found))
         watcher = loop.create_task(wait_for_disconnect(receive))
+        mine = self.streams.setdefault(key_hash, set()) if key_hash else None
+        if mine is not None:
+            mine.add(pump)  # cut off if the key is revoked meanwhile
         try:
             await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -635,6 +693,21 @@ class Gateway:
             raise
         finally:
             watcher.cancel()
+            if mine is not None:
+                mine.discard(pump)
+                if not mine and self.streams.get(key_hash) is mine:
+                    del self.streams[key_hash]
+        if pump in self.cut_off:  # the key was revoked or expired mid-stream
+            self.cut_off.discard(pump)
+            response.close()
+            notice = {"error": {"message": "the API key was revoked or has expired; the "
+                                           "answer was cut off",
+                                "type": "authentication_error", "code": "api_key_revoked"}}
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body",
+                            "body": b"data: " + orjson.dumps(notice) + b"\n\n",
+                            "more_body": False})
+            return found.get("usage"), False
         if not pump.done():  # the client went away: the engine sees it and frees its cache
             pump.cancel()
             response.close()
@@ -728,10 +801,28 @@ async def wait_for_disconnect(receive: Receive) -> None:
         continue
 
 
-async def read_unless_gone(response: Response, receive: Receive) -> bytes | None:
-    """The whole upstream body, or None when the client disconnects first."""
+class ResponseTooLarge(Exception):
+    pass
+
+
+async def read_capped(response: Response, limit: int) -> bytes:
+    """The whole upstream body, unless it grows beyond `limit` bytes."""
+    parts, size = [], 0
+    while chunk := await response.readany():
+        size += len(chunk)
+        if size > limit:
+            raise ResponseTooLarge(f"the replica's answer is over the limit of {limit} bytes "
+                                   f"(GATEWAY_MAX_RESPONSE_BYTES); ask for less, or stream it")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def read_unless_gone(response: Response, receive: Receive, limit: int
+                           ) -> bytes | None:
+    """The whole upstream body (at most `limit` bytes), or None when the client
+    disconnects first."""
     loop = asyncio.get_running_loop()
-    reading = loop.create_task(response.read())
+    reading = loop.create_task(read_capped(response, limit))
     watcher = loop.create_task(wait_for_disconnect(receive))
     try:
         await asyncio.wait({reading, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -830,6 +921,16 @@ def estimate_prompt_tokens(body: dict[str, Any], kind: str) -> int:
             elif isinstance(item, list):  # token ids
                 chars += 4 * len(item)
     return max(1, (chars + 3) // 4)
+
+
+def reserved_completion_tokens(body: dict[str, Any], kind: str) -> int:
+    """The completion tokens a request may ask for: n x max_tokens (reserved against the
+    token budget at admission; the difference to what was used is settled at the end)."""
+    if kind == "embedding":
+        return 0
+    most = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+    n = body.get("n") or 1
+    return int(most) * int(n) if isinstance(most, int) and isinstance(n, int) else 0
 
 
 def prompt_prefix(body: dict[str, Any], kind: str) -> str | None:
