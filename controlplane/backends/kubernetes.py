@@ -251,7 +251,10 @@ class KubernetesBackend:
             vllm_http.warm_up(self.http, deployment, replica.endpoint)
 
     def in_flight(self, replica: Replica) -> int | None:
-        return vllm_http.in_flight(self.http, replica.endpoint) if replica.endpoint else None
+        if not replica.endpoint:
+            return None
+        return vllm_http.in_flight(self.http, replica.endpoint,
+                                   replica.deployment.engine_key())
 
     def logs(self, replica: Replica, lines: int) -> list[str]:
         if not replica.pod_name:
