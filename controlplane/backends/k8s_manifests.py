@@ -72,7 +72,10 @@ class KubernetesConfig:
     warm_up: bool = True
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> KubernetesConfig:
+    def from_dict(cls, raw: dict[str, Any], *, allow_lists: bool = True) -> KubernetesConfig:
+        """Check a config. `allow_lists=False` (a config already stored, read to run it)
+        leaves the install's allow-lists to `apply`, which reports a refusal on the
+        deployment instead of failing every reconcile pass."""
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -139,7 +142,8 @@ class KubernetesConfig:
         if source == "hostPath" and not str(values.get("host_path", "")).startswith("/"):
             raise BackendConfigError("host_path", "required with model_source `hostPath`: "
                                                   "an absolute path on the nodes")
-        check_allowed(values)
+        if allow_lists:
+            check_allowed(values)
         return cls(**values)
 
     def as_dict(self) -> dict[str, object]:

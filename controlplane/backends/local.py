@@ -68,7 +68,10 @@ class LocalConfig:
     env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LocalConfig:
+    def from_dict(cls, data: dict[str, Any], *, allow_lists: bool = True) -> LocalConfig:
+        """Check a config. `allow_lists=False` (a config already stored, read to run it)
+        leaves the install's allow-lists to `start`, which refuses a replica with a
+        message instead of failing every reconcile pass."""
         known = {"kv_cache_gib", "cpu_cores_per_replica", "host", "python", "env"}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -88,24 +91,35 @@ class LocalConfig:
         python = data.get("python", "")
         if not isinstance(python, str):
             raise BackendConfigError("python", "must be a path to a Python interpreter")
-        if python and os.path.normpath(python) not in allowed_pythons():
-            raise BackendConfigError("python", f"{python!r} is not an interpreter this "
-                                               f"install allows (LOCAL_BACKEND_PYTHONS)")
+        refusal = refused_setting(python, {}) if allow_lists else None
+        if refusal and refusal[0] == "python":
+            raise BackendConfigError(*refusal)
         env = data.get("env", {})
         if not isinstance(env, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
         ):
             raise BackendConfigError("env", "must map names to string values")
-        refused = sorted(name for name in env if name in RESERVED_ENV
-                         or name.startswith(RESERVED_ENV_PREFIXES))
-        if refused:
-            raise BackendConfigError("env", f"{refused[0]} may not be set: it would change "
-                                            f"which code runs, or is the control plane's")
+        refusal = refused_setting("", env) if allow_lists else None
+        if refusal:
+            raise BackendConfigError(*refusal)
         return cls(kv_cache_gib=kv, cpu_cores_per_replica=cores, host=host,
                    python=python, env=dict(env))
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def refused_setting(python: str, env: dict[str, str]) -> tuple[str, str] | None:
+    """(field, why) when the install does not allow this python or environment."""
+    if python and os.path.normpath(python) not in allowed_pythons():
+        return "python", (f"{python!r} is not an interpreter this install allows "
+                          f"(LOCAL_BACKEND_PYTHONS)")
+    refused = sorted(name for name in env if name in RESERVED_ENV
+                     or name.startswith(RESERVED_ENV_PREFIXES))
+    if refused:
+        return "env", (f"{refused[0]} may not be set: it would change which code runs, "
+                       f"or is the control plane's")
+    return None
 
 
 def allowed_pythons() -> set[str]:
@@ -218,6 +232,9 @@ class LocalBackend:
         from controlplane.engine_args import engine_command_line
         from controlplane.models import Replica
 
+        refusal = refused_setting(self.config.python, self.config.env)
+        if refusal:  # stored before the allow-lists, or a setting narrowed since
+            raise BackendError(f"the backend's {refusal[0]}: {refusal[1]}")
         model = deployment.model
         if not model.path or not Path(model.path).is_dir():
             raise BackendError(f"model {model.name} has no local folder to serve")

@@ -152,3 +152,32 @@ def test_deployments_made_before_keys_get_one_each_and_roll_their_replicas() -> 
     assert local.generation == 2  # its keyless replicas are replaced by a rollout
     assert remote.generation == 1  # nothing of ours runs there
     assert remote.upstream_key() == "theirs"
+
+
+def test_a_stored_backend_outside_the_allow_lists_fails_its_replicas_not_the_pass(
+        tmp_path: Path, settings: Any, emulated: Any) -> None:
+    from controlplane.models import AuditEvent
+    from controlplane.reconciler import Reconciler
+    from tests.k8s_emulator import write_kubeconfig
+
+    settings.DATA_DIR = tmp_path / "data"
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    model = make_model("fake", path=str(weights))
+    # As stored before the allow-lists existed (the API would refuse it now).
+    make_deployment("old", model=model,
+                    backend=make_backend("old", "local", {"python": "/bin/sh"}))
+    make_deployment("gpus", model=model, backend=make_backend("gpus", "kubernetes", {
+        "namespace": "inference", "image": "attacker/miner", "model_source": "pvc",
+        "pvc_name": "models", "kubeconfig": write_kubeconfig(tmp_path / "k", emulated.url)}))
+    reconciler = Reconciler()
+    for _ in range(2):  # a pass makes the replica record, the next starts it
+        reconciler.reconcile_all()  # no exception: the other deployments are reconciled
+    [replica] = Replica.objects.filter(deployment__name="old")
+    assert replica.phase == Replica.Phase.FAILED and replica.pid is None
+    assert "LOCAL_BACKEND_PYTHONS" in replica.last_error
+    assert AuditEvent.objects.filter(deployment__name="old", action="replica-failed",
+                                     message__contains="LOCAL_BACKEND_PYTHONS").exists()
+    assert not Path(tmp_path / "data" / "replicas" / "old-1.log").exists()
+    degraded = Deployment.objects.get(name="gpus").condition("Degraded")
+    assert degraded is not None and "KUBERNETES_ALLOWED_IMAGES" in degraded["message"]
