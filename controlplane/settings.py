@@ -16,10 +16,12 @@ import django_stubs_ext
 from controlplane.envconfig import (
     SettingError,
     database_from_url,
+    env_absolute_paths,
     env_bool,
     env_choice,
     env_float,
     env_int,
+    env_labels,
     env_list,
     env_path,
     env_str,
@@ -204,6 +206,33 @@ LEADER_ELECTION_IDENTITY = env_str("POD_NAME", "")
 LEADER_ELECTION_LEASE_SECONDS = env_int("LEADER_ELECTION_LEASE_SECONDS", 15, minimum=2)
 # The local backend's defaults for `make run`'s demo deployment and new local backends.
 LOCAL_KV_CACHE_GIB = env_int("LOCAL_KV_CACHE_GIB", 1, minimum=1)
+
+# --- What an admin may configure in a backend (docs/security.md): allow-lists set by
+# whoever runs the install, so an admin key cannot make the control plane run any
+# program, image or mount it likes. Checked wherever a backend config is validated.
+# Interpreters the local backend's `python` may name (absolute paths; the control plane's
+# own interpreter is always allowed, and is what an empty `python` means).
+LOCAL_BACKEND_PYTHONS = env_absolute_paths("LOCAL_BACKEND_PYTHONS")
+# Images the kubernetes backend may run: `repository` (any tag) or `repository:tag`.
+KUBERNETES_ALLOWED_IMAGES = env_list("KUBERNETES_ALLOWED_IMAGES",
+                                     ["vllm/vllm-openai", "docker.io/vllm/vllm-openai"])
+# Node paths (prefixes) a kubernetes backend may mount with model_source `hostPath`: none
+# unless set.
+KUBERNETES_ALLOWED_HOST_PATHS = env_absolute_paths("KUBERNETES_ALLOWED_HOST_PATHS")
+# Service accounts vLLM pods may run as (none: the namespace's default; pods never get a
+# token mounted either way).
+KUBERNETES_ALLOWED_SERVICE_ACCOUNTS = env_list("KUBERNETES_ALLOWED_SERVICE_ACCOUNTS")
+# Who the NetworkPolicy of each deployment admits to the replica port: the gateway and
+# controller pods of the control plane's namespace, and Prometheus where its labels are set.
+KUBERNETES_CONTROL_PLANE_NAMESPACE = env_str("KUBERNETES_CONTROL_PLANE_NAMESPACE",
+                                             env_str("POD_NAMESPACE", "fleetplane"))
+KUBERNETES_GATEWAY_POD_LABELS = env_labels("KUBERNETES_GATEWAY_POD_LABELS", {
+    "app.kubernetes.io/name": "fleetplane", "app.kubernetes.io/component": "gateway"})
+KUBERNETES_CONTROLLER_POD_LABELS = env_labels("KUBERNETES_CONTROLLER_POD_LABELS", {
+    "app.kubernetes.io/name": "fleetplane", "app.kubernetes.io/component": "controller"})
+KUBERNETES_PROMETHEUS_NAMESPACE = env_str("KUBERNETES_PROMETHEUS_NAMESPACE", "monitoring")
+KUBERNETES_PROMETHEUS_POD_LABELS = env_labels("KUBERNETES_PROMETHEUS_POD_LABELS")
+# --- end of the backend allow-lists
 
 # Every route but /v1/*: bodies over this get 413 before Django reads them.
 HTTP_MAX_BODY_BYTES = env_int("HTTP_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)

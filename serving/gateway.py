@@ -36,7 +36,7 @@ from serving.ratelimit import (
     token_charges,
 )
 from serving.router import Router
-from serving.routes import Pool, RouteReplica, routes
+from serving.routes import Pool, RouteReplica, replica_auth, routes
 from serving.upstream import Pool as ConnectionPool
 from serving.upstream import Response, UpstreamError
 from serving.usage import Usage, UsageWriter
@@ -194,7 +194,8 @@ class Gateway:
         async def one(replica: RouteReplica) -> None:
             try:
                 async with asyncio.timeout(2):
-                    text = await client.get_text(replica.url, "/metrics")
+                    text = await client.get_text(replica.url, "/metrics",
+                                                 replica_auth(replica))
             except (UpstreamError, TimeoutError):
                 return
             total = 0.0
@@ -499,7 +500,7 @@ class Gateway:
                     timing: Timing, *, key: KeyInfo | None, stream: bool, user: str
                     ) -> tuple[RouteReplica, Response]:
         tried: list[str] = []
-        upstream_headers = (("Content-Type", "application/json"), ("X-Request-Id", request_id))
+        base_headers = (("Content-Type", "application/json"), ("X-Request-Id", request_id))
         response: Response | None = None
         replica: RouteReplica | None = None
         last_error = ""
@@ -513,6 +514,8 @@ class Gateway:
             state = self.router.state(replica.name)
             state.in_flight += 1
             timing.sent = time.perf_counter()
+            # Replicas demand their deployment's engine key (an external endpoint its own).
+            upstream_headers = (*base_headers, *replica_auth(replica))
             try:
                 response = await client.request("POST", replica.url, path, raw,
                                                 upstream_headers)

@@ -222,6 +222,19 @@ async def test_an_answer_streams_token_by_token_with_its_figures(
     await communicator.disconnect()
 
 
+async def test_the_playground_reaches_a_replica_that_demands_its_key(
+        fake_engines: Callable[..., FakeEngine]) -> None:
+    engine = fake_engines("e1", key="the-engine-key")
+    publish("demo", [engine])
+    communicator, _, _ = await connect("/ws/playground/", await make_user())
+    await send(communicator, {"type": "generate", "id": "a", "deployment": "demo",
+                              "max_tokens": 3,
+                              "messages": [{"role": "user", "content": "Count."}]})
+    seen = await receive_until(communicator, "done")
+    assert "".join(m["text"] for m in seen if m["type"] == "token") == " tok" * 3
+    await communicator.disconnect()
+
+
 async def test_side_by_side_runs_two_deployments_at_once(
         fake_engines: Callable[..., FakeEngine]) -> None:
     from serving.routes import Pool, RouteReplica
