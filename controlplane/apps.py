@@ -14,6 +14,9 @@ class ControlplaneConfig(AppConfig):
         from access.signals import changed
 
         changed.connect(write_audit_event, dispatch_uid="controlplane.audit")
+        from controlplane import revocation
+
+        revocation.connect()
 
 
 def write_audit_event(sender: Any, *, actor: str, action: str, message: str,

@@ -33,6 +33,8 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from serving.sealing import SealError, unseal
+
 logger = logging.getLogger(__name__)
 
 HISTORY_SECONDS = 15 * 60
@@ -206,6 +208,17 @@ def rounded(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
+def scrape_key(kind: str, config: dict[str, Any] | None, sealed: str) -> str:
+    """The bearer token a replica's /metrics wants (Deployment.upstream_key, from the
+    columns a values() query read)."""
+    if kind == "external":
+        return str((config or {}).get("api_key") or "")
+    try:
+        return unseal(sealed)
+    except SealError:
+        return ""
+
+
 @dataclass
 class Target:
     name: str
@@ -215,6 +228,8 @@ class Target:
     phase: str
     pid: int | None
     local: bool
+    #: Sent as `Authorization: Bearer` (the engine key; an external endpoint's own key).
+    key: str = field(default="", repr=False)
 
 
 class ReplicaSeries:
@@ -533,31 +548,39 @@ class Collector:
         deployments = {d.name: {"desired": d.desired_replicas(), "ready": 0, "standby": 0}
                        for d in Deployment.objects.filter(deleting=False)}
         targets = []
+        keys: dict[str, str] = {}
         live = (Replica.Phase.READY, Replica.Phase.DRAINING)
         for row in Replica.objects.filter(phase__in=live).exclude(endpoint="").values(
                 "name", "deployment__name", "endpoint", "role", "phase", "pid",
-                "deployment__backend__kind"):
+                "deployment__backend__kind", "deployment__backend__config",
+                "deployment__engine_key_sealed"):
             deployment = row["deployment__name"]
             counts = deployments.setdefault(deployment, {"desired": 0, "ready": 0,
                                                          "standby": 0})
             if row["phase"] == Replica.Phase.READY:
                 counts["standby" if row["role"] == "standby" else "ready"] += 1
+            if deployment not in keys:
+                keys[deployment] = scrape_key(row["deployment__backend__kind"],
+                                              row["deployment__backend__config"],
+                                              row["deployment__engine_key_sealed"])
             targets.append(Target(row["name"], deployment, row["endpoint"], row["role"],
                                   row["phase"], row["pid"],
-                                  row["deployment__backend__kind"] == "local"))
+                                  row["deployment__backend__kind"] == "local",
+                                  keys[deployment]))
         return targets, deployments
 
     # --- scraping ----------------------------------------------------------------------
 
-    async def fetch(self, url: str, path: str) -> str:
+    async def fetch(self, url: str, path: str, key: str = "") -> str:
+        headers = (("Authorization", f"Bearer {key}"),) if key else ()
         async with self.concurrency, asyncio.timeout(self.timeout):
-            return await self.client.get_text(url, path)
+            return await self.client.get_text(url, path, headers)
 
     async def scrape(self, target: Target) -> str | None:
         """The replica's exposition, reduced; None when the scrape fails. A changed one is
         queued for parsing at once, so parsing runs beside the scrapes still in flight."""
         try:
-            text = reduce_exposition(await self.fetch(target.url, "/metrics"))
+            text = reduce_exposition(await self.fetch(target.url, "/metrics", target.key))
         except Exception as exc:  # any failure is one missing sample, never a crash
             logger.debug("scrape of %s failed: %s", target.name, exc)
             return None

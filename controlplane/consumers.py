@@ -3,8 +3,10 @@
 Rules every socket follows: only logged-in users who may see deployments connect; a frame
 over WEBSOCKET_MAX_MESSAGE_BYTES, a frame that is not a JSON object, an unknown message type
 or more than WEBSOCKET_MESSAGES_PER_SECOND frames get an error message back and the socket
-stays open; every task a consumer starts is cancelled when the socket closes. Message
-schemas: docs/dashboards.md and docs/playground.md.
+stays open; every task a consumer starts is cancelled when the socket closes. A user who
+loses the role a socket needs (demoted, deactivated, deleted) has it closed with code
+4403, what it was running stopped (controlplane/revocation.py). Message schemas:
+docs/dashboards.md and docs/playground.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from django.conf import settings
 
 from access.roles import has_role
 from controlplane import collector as collector_module
+from controlplane.revocation import user_group
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +51,32 @@ class GuardedConsumer(AsyncWebsocketConsumer):
         self.burst = max(1.0, 2 * rate)
         self.allowance = self.burst
         self.checked = time.monotonic()
+        self.user_id = user.pk
+        await self.channel_layer.group_add(user_group(user.pk), self.channel_name)
         await self.accept()
+        self.spawn(self.recheck_access())
         await self.opened()
+
+    async def access_changed(self, event: dict[str, Any]) -> None:
+        """The user was changed somewhere: still allowed?"""
+        await self.check_access()
+
+    async def recheck_access(self) -> None:
+        """Without a shared channel layer a change made in another process is not told:
+        look again every KEY_CACHE_SECONDS."""
+        while True:
+            await asyncio.sleep(max(1.0, float(settings.KEY_CACHE_SECONDS)))
+            await self.check_access()
+
+    async def check_access(self) -> None:
+        if await database_sync_to_async(still_allowed)(self.user_id, self.role):
+            return
+        tasks = [t for t in self.tasks if t is not asyncio.current_task()]
+        for task in tasks:  # what it runs ends with it, whatever the client does next
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.close(code=4403)
 
     async def opened(self) -> None:
         """Called once the socket is accepted."""
@@ -109,11 +136,20 @@ class GuardedConsumer(AsyncWebsocketConsumer):
         return task
 
     async def disconnect(self, code: int) -> None:
+        if getattr(self, "user_id", None) is not None:
+            await self.channel_layer.group_discard(user_group(self.user_id), self.channel_name)
         tasks = list(getattr(self, "tasks", ()))
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def still_allowed(user_id: int, role: str) -> bool:
+    from django.contrib.auth import get_user_model
+
+    user = get_user_model().objects.filter(pk=user_id).first()
+    return user is not None and has_role(user, role)
 
 
 # --- dashboards -----------------------------------------------------------------------

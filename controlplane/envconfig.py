@@ -140,3 +140,26 @@ def redis_url(name: str) -> str | None:
     if parts.scheme not in {"redis", "rediss", "unix"}:
         raise SettingError(f"{name}={value!r}: use redis://host:port/db")
     return value
+
+
+def env_absolute_paths(name: str, default: list[str] | None = None) -> list[str]:
+    """A comma-separated list of absolute paths, normalised (no `..`, no trailing /)."""
+    paths = env_list(name, default)
+    for path in paths:
+        if not path.startswith("/") or ".." in path.split("/"):
+            raise SettingError(f"{name}: {path!r} is not an absolute path without `..`")
+    return [os.path.normpath(path) for path in paths]
+
+
+def env_labels(name: str, default: dict[str, str] | None = None) -> dict[str, str]:
+    """Kubernetes labels as `key=value,key=value`; empty gives the default."""
+    value = _raw(name)
+    if value is None:
+        return dict(default or {})
+    labels = {}
+    for item in value.split(","):
+        key, sep, label = item.strip().partition("=")
+        if not sep or not key.strip():
+            raise SettingError(f"{name}: {item.strip()!r} is not key=value")
+        labels[key.strip()] = label.strip()
+    return labels

@@ -9,6 +9,12 @@ from django.db import models
 from django.utils import timezone
 
 from models_registry.models import Model
+from serving.sealing import new_engine_key, seal, unseal
+
+
+def sealed_engine_key() -> str:
+    """A new deployment's engine key, sealed for the database (serving/sealing.py)."""
+    return seal(new_engine_key())
 
 
 class Backend(models.Model):
@@ -65,6 +71,10 @@ class Deployment(models.Model):
     deleting = models.BooleanField(default=False)
     # Numbers replicas (<deployment>-1, -2, ...) so a name is never reused.
     replica_serial = models.PositiveIntegerField(default=0)
+    # The bearer token its replicas demand (vLLM's --api-key), sealed with a key derived
+    # from SECRET_KEY: a database dump does not hand out direct access to the replicas.
+    # Not editable: no form, admin page or serializer shows it.
+    engine_key_sealed = models.TextField(default=sealed_engine_key, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -86,6 +96,17 @@ class Deployment(models.Model):
 
     def served_model_name(self) -> str:
         return str(self.engine_args.get("served_model_name") or self.name)
+
+    def engine_key(self) -> str:
+        """The key its replicas start with and every caller of theirs sends."""
+        return unseal(self.engine_key_sealed)
+
+    def upstream_key(self) -> str:
+        """What the gateway and the controllers send as `Authorization: Bearer` to this
+        deployment's replicas: an external endpoint's own api key, else the engine key."""
+        if self.backend.kind == Backend.Kind.EXTERNAL:
+            return str((self.backend.config or {}).get("api_key") or "")
+        return self.engine_key()
 
     def condition(self, kind: str) -> dict[str, Any] | None:
         return next((c for c in self.conditions if c.get("type") == kind), None)

@@ -3,15 +3,20 @@ which running deployment take traffic, under which model names."""
 
 from __future__ import annotations
 
+import logging
+
 from django.conf import settings
 
 from controlplane.models import Deployment, Replica
 from serving.routes import Pool, RouteReplica, build_table, routes
+from serving.sealing import SealError
+
+logger = logging.getLogger(__name__)
 
 
 def current_pools() -> list[Pool]:
     pools = []
-    deployments = (Deployment.objects.filter(deleting=False).select_related("model")
+    deployments = (Deployment.objects.filter(deleting=False).select_related("model", "backend")
                    .prefetch_related("replica_set"))
     for deployment in deployments:
         routable = [
@@ -19,7 +24,13 @@ def current_pools() -> list[Pool]:
             if r.phase == Replica.Phase.READY and r.role == Replica.Role.ACTIVE and r.endpoint
             and deployment.state == Deployment.State.RUNNING
         ]
-        ready = tuple(RouteReplica(name=r.name, url=r.endpoint) for r in routable)
+        try:
+            key = deployment.upstream_key()
+        except SealError:  # sealed under a SECRET_KEY no longer configured
+            logger.error("the engine key of %s cannot be opened: rotate SECRET_KEY with "
+                         "SECRET_KEY_FALLBACKS", deployment.name)
+            key = ""
+        ready = tuple(RouteReplica(name=r.name, url=r.endpoint, key=key) for r in routable)
         served = deployment.served_model_name()
         names = tuple(dict.fromkeys([served, deployment.name, *deployment.aliases]))
         admission = deployment.admission or {}

@@ -17,16 +17,19 @@ import django_stubs_ext
 from controlplane.envconfig import (
     SettingError,
     database_from_url,
+    env_absolute_paths,
     env_bool,
     env_choice,
     env_float,
     env_int,
+    env_labels,
     env_list,
     env_path,
     env_str,
     redis_url,
 )
 from serving.priority import parse_classes
+from serving.proxies import parse_networks as _trusted_networks
 
 # Lets the admin and forms be written with type parameters (ModelAdmin[Model]).
 django_stubs_ext.monkeypatch()
@@ -221,6 +224,36 @@ LEADER_ELECTION_LEASE_SECONDS = env_int("LEADER_ELECTION_LEASE_SECONDS", 15, min
 # The local backend's defaults for `make run`'s demo deployment and new local backends.
 LOCAL_KV_CACHE_GIB = env_int("LOCAL_KV_CACHE_GIB", 1, minimum=1)
 
+# --- What an admin may configure in a backend (docs/security.md): allow-lists set by
+# whoever runs the install, so an admin key cannot make the control plane run any
+# program, image or mount it likes. Checked wherever a backend config is validated.
+# Interpreters the local backend's `python` may name (absolute paths; the control plane's
+# own interpreter is always allowed, and is what an empty `python` means).
+LOCAL_BACKEND_PYTHONS = env_absolute_paths("LOCAL_BACKEND_PYTHONS")
+# Images the kubernetes backend may run: `repository` (any tag) or `repository:tag`.
+KUBERNETES_ALLOWED_IMAGES = env_list("KUBERNETES_ALLOWED_IMAGES",
+                                     ["vllm/vllm-openai", "docker.io/vllm/vllm-openai"])
+# Node paths (prefixes) a kubernetes backend may mount with model_source `hostPath`: none
+# unless set.
+KUBERNETES_ALLOWED_HOST_PATHS = env_absolute_paths("KUBERNETES_ALLOWED_HOST_PATHS")
+# Service accounts vLLM pods may run as (none: the namespace's default; pods never get a
+# token mounted either way).
+KUBERNETES_ALLOWED_SERVICE_ACCOUNTS = env_list("KUBERNETES_ALLOWED_SERVICE_ACCOUNTS")
+# Who the NetworkPolicy of each deployment admits to the replica port: the gateway and
+# controller pods of the control plane's namespace, and Prometheus where its labels are set.
+KUBERNETES_CONTROL_PLANE_NAMESPACE = env_str("KUBERNETES_CONTROL_PLANE_NAMESPACE",
+                                             env_str("POD_NAMESPACE", "fleetplane"))
+KUBERNETES_GATEWAY_POD_LABELS = env_labels("KUBERNETES_GATEWAY_POD_LABELS", {
+    "app.kubernetes.io/name": "fleetplane", "app.kubernetes.io/component": "gateway"})
+KUBERNETES_CONTROLLER_POD_LABELS = env_labels("KUBERNETES_CONTROLLER_POD_LABELS", {
+    "app.kubernetes.io/name": "fleetplane", "app.kubernetes.io/component": "controller"})
+KUBERNETES_PROMETHEUS_NAMESPACE = env_str("KUBERNETES_PROMETHEUS_NAMESPACE", "monitoring")
+KUBERNETES_PROMETHEUS_POD_LABELS = env_labels("KUBERNETES_PROMETHEUS_POD_LABELS")
+# --- end of the backend allow-lists
+
+# Every route but /v1/*: bodies over this get 413 before Django reads them.
+HTTP_MAX_BODY_BYTES = env_int("HTTP_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
+
 # The OpenAI-compatible gateway (/v1/*).
 GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)
 GATEWAY_LOAD_SCRAPE_SECONDS = env_float("GATEWAY_LOAD_SCRAPE_SECONDS", 1.0, minimum=0.1)
@@ -239,9 +272,24 @@ GATEWAY_QUEUE_AGING_SECONDS = env_float("GATEWAY_QUEUE_AGING_SECONDS", 10.0, min
 # Requests one replica takes at once before the gateway queues, unless the deployment
 # says (its `replica_concurrency`, else its engine argument max_num_seqs).
 GATEWAY_REPLICA_CONCURRENCY = env_int("GATEWAY_REPLICA_CONCURRENCY", 256, minimum=1)
-# 0: no limit (for gateways behind a proxy, where every client shares its address).
+# Failed authentication attempts one client address may make per minute before further
+# failed attempts get 429 (a request with a valid key is never refused by it); 0: no limit.
 GATEWAY_AUTH_FAILURES_PER_MINUTE = env_int("GATEWAY_AUTH_FAILURES_PER_MINUTE", 30, minimum=0)
+# Proxies (addresses or networks) whose X-Forwarded-For names the client (serving/proxies.py);
+# empty: the connection's address is the client, whatever the headers say.
+TRUSTED_PROXIES = env_list("TRUSTED_PROXIES")
+try:
+    _trusted_networks(TRUSTED_PROXIES)
+except ValueError as _exc:
+    raise SettingError(f"TRUSTED_PROXIES: {_exc}") from None
 USAGE_FLUSH_SECONDS = env_float("USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
+# Limits on what one caller can hold (docs/admission.md): requests of one API key between
+# authentication and the end of their answer (0: no limit), the share of a class's queue
+# one key may fill, the size of a non-streamed answer relayed.
+GATEWAY_KEY_MAX_IN_FLIGHT = env_int("GATEWAY_KEY_MAX_IN_FLIGHT", 512, minimum=0)
+GATEWAY_KEY_QUEUE_SHARE = env_float("GATEWAY_KEY_QUEUE_SHARE", 0.5, minimum=0.01, maximum=1.0)
+GATEWAY_MAX_RESPONSE_BYTES = env_int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1024,
+                                     minimum=1024)
 
 # The metrics collector and the live dashboards.
 SCRAPE_INTERVAL = env_float("SCRAPE_INTERVAL", 2.0, minimum=0.2)

@@ -4,14 +4,20 @@ It streams N tokens at a configured pace, answers /health and /v1/models, and se
 /metrics with vLLM's metric names and meaning (requests running and waiting, KV-cache use,
 TTFT and inter-token histograms). Every token is the word "tok".
 
-    python -m fakes.engine --port 9001 [--token-interval-ms 10] [--model fake]
+Given a key (--api-key, or VLLM_API_KEY in its environment, as vLLM takes it) it refuses
+/v1/* without `Authorization: Bearer <key>` exactly as vLLM does: 401 with
+{"error": "Unauthorized"}; /health and /metrics stay open, as they are in vLLM.
+
+    python -m fakes.engine --port 9001 [--token-interval-ms 10] [--model fake] [--api-key K]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,6 +28,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0)
+# The paths vLLM's AuthenticationMiddleware guards when it has a key.
+GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
@@ -49,8 +57,11 @@ class Histogram:
 
 
 class FakeEngine:
-    def __init__(self, model: str, token_interval: float, max_running: int = 256) -> None:
+    def __init__(self, model: str, token_interval: float, max_running: int = 256,
+                 api_key: str = "") -> None:
         self.model = model
+        self.expected_auth = f"Bearer {api_key}".encode() if api_key else b""
+        self.refused = 0  # requests refused for a missing or wrong key
         self.token_interval = token_interval
         self.max_running = max_running
         self.running = 0
@@ -78,6 +89,11 @@ class FakeEngine:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         path, method = scope["path"], scope["method"]
+        if (self.expected_auth and method != "OPTIONS" and path.startswith(GUARDED_PREFIX)
+                and not self.authorized(scope)):
+            self.refused += 1
+            await respond(send, 401, b'{"error": "Unauthorized"}')
+            return
         if method == "GET" and path == "/health":
             await respond(send, 200, b"", "text/plain")
         elif method == "GET" and path == "/v1/models":
@@ -90,6 +106,13 @@ class FakeEngine:
             await self.complete(scope, receive, send, chat=path.endswith("chat/completions"))
         else:
             await respond(send, 404, b'{"error": {"message": "not found", "code": 404}}')
+
+    def authorized(self, scope: Scope) -> bool:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = given.partition(b" ")
+        # As vLLM's AuthenticationMiddleware: the scheme in any case, the token exact.
+        return hmac.compare_digest(b"Bearer " + token,
+                                   self.expected_auth) and scheme.lower() == b"bearer"
 
     async def complete(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         body = b""
@@ -248,15 +271,16 @@ class PerPort:
     """One fake engine per listening port, in one process: each endpoint has its own
     counters and queues, as separate replicas would."""
 
-    def __init__(self, model: str, token_interval: float) -> None:
-        self.model, self.token_interval = model, token_interval
+    def __init__(self, model: str, token_interval: float, api_key: str = "") -> None:
+        self.model, self.token_interval, self.api_key = model, token_interval, api_key
         self.engines: dict[int, FakeEngine] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         port = (scope.get("server") or ("", 0))[1]
         engine = self.engines.get(port)
         if engine is None:
-            engine = self.engines[port] = FakeEngine(self.model, self.token_interval)
+            engine = self.engines[port] = FakeEngine(self.model, self.token_interval,
+                                                     api_key=self.api_key)
         await engine(scope, receive, send)
 
 
@@ -280,12 +304,14 @@ def main() -> None:
                         help="also listen on N more free ports (one fake engine answering "
                              "as many endpoints), written one per line to --ports-file")
     parser.add_argument("--ports-file", default="")
+    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY", ""),
+                        help="refuse /v1/* without this bearer key (default: VLLM_API_KEY)")
     options = parser.parse_args()
     import uvicorn
 
     if not options.extra_ports:
         engine = FakeEngine(options.model, options.token_interval_ms / 1000,
-                            options.max_running)
+                            options.max_running, api_key=options.api_key)
         uvicorn.run(engine, host=options.host, port=options.port, log_level="warning",
                     access_log=False, lifespan="on")
         return
@@ -302,7 +328,8 @@ def main() -> None:
         with open(options.ports_file, "w") as out:
             out.write("".join(f"{s.getsockname()[1]}\n" for s in sockets))
     server = uvicorn.Server(uvicorn.Config(PerPort(options.model,
-                                                   options.token_interval_ms / 1000),
+                                                   options.token_interval_ms / 1000,
+                                                   options.api_key),
                                            log_level="warning", access_log=False,
                                            lifespan="on"))
     server.run(sockets=sockets)

@@ -8,7 +8,9 @@ never starves. A class may fill only its `share` of the slots (serving/priority.
 rest is headroom that more urgent classes take at once. A class's queue is bounded in
 length (`max_queued`: a full queue answers 429) and in wait (`max_wait_seconds`: an
 expired wait answers 503); both carry a Retry-After estimated from the measured service
-rate (requests finished per second).
+rate (requests finished per second). One owner (an API key, a playground user) may hold at
+most GATEWAY_KEY_QUEUE_SHARE of a class's queue, so one busy key cannot fill it for the
+others (429 `key_queue_full`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Waiter:
     arrived: float
     order: int
     future: asyncio.Future[None]
+    owner: str | None = None
 
     def rank(self, now: float, aging: float) -> tuple[float, int]:
         return (self.priority.level - (now - self.arrived) / aging, self.order)
@@ -75,12 +78,21 @@ class Lane:
     busy: int = 0
     queues: dict[str, deque[Waiter]] = field(default_factory=dict)
     finished: deque[float] = field(default_factory=deque)
+    # (owner, class) -> how many of the class's waiters are the owner's
+    owners: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def waiting(self) -> int:
         return sum(len(q) for q in self.queues.values())
 
     def waiters(self) -> list[Waiter]:
         return [w for q in self.queues.values() for w in q]
+
+    def forget_owner(self, slot: tuple[str, str]) -> None:
+        left = self.owners.get(slot, 1) - 1
+        if left > 0:
+            self.owners[slot] = left
+        else:
+            self.owners.pop(slot, None)
 
     def remove(self, waiter: Waiter) -> None:
         queue = self.queues.get(waiter.priority.name)
@@ -160,9 +172,11 @@ class Admission:
             return Ticket(name, 0, 0.0)
         return None
 
-    async def acquire(self, name: str, capacity: int, priority: PriorityClass) -> Ticket:
+    async def acquire(self, name: str, capacity: int, priority: PriorityClass,
+                      owner: str | None = None) -> Ticket:
         """A slot in the lane `name` (deployment|pool), at once or after waiting; raises
-        Refused when the class's queue is full or the wait runs out."""
+        Refused when the class's queue is full, the owner holds its share of it, or the
+        wait runs out."""
         ticket = self.try_acquire(name, capacity, priority)
         if ticket is not None:
             return ticket
@@ -173,8 +187,17 @@ class Admission:
             retry = lane.estimate(lane.waiting(), now, priority.max_wait_seconds)
             raise Refused(429, f"the {priority.name} queue of this deployment is full "
                                f"({priority.max_queued} waiting)", retry, "queue_full")
+        if owner is not None:
+            share = max(1, math.floor(priority.max_queued
+                                      * float(settings.GATEWAY_KEY_QUEUE_SHARE)))
+            mine = lane.owners.get((owner, priority.name), 0)
+            if mine >= share:
+                retry = lane.estimate(lane.waiting(), now, priority.max_wait_seconds)
+                raise Refused(429, f"this caller already has {mine} requests waiting in the "
+                                   f"{priority.name} queue of this deployment (its share is "
+                                   f"{share})", retry, "key_queue_full")
         waiter = Waiter(priority, now, next(self.counter),
-                        asyncio.get_running_loop().create_future())
+                        asyncio.get_running_loop().create_future(), owner)
         aging = float(settings.GATEWAY_QUEUE_AGING_SECONDS)
         position = 1 + lane.ahead_of(waiter, now, aging)
         estimated = lane.estimate(position - 1, now, priority.max_wait_seconds)
@@ -182,6 +205,10 @@ class Admission:
         gauge = queued_gauge(name, priority.name)
         gauge.inc()
         waiter.future.add_done_callback(lambda _: gauge.dec())
+        if owner is not None:
+            slot = (owner, priority.name)
+            lane.owners[slot] = lane.owners.get(slot, 0) + 1
+            waiter.future.add_done_callback(lambda _: lane.forget_owner(slot))
         self.dispatch(lane)
         if waiter.future.done():  # a free slot its class may use: no wait after all
             return Ticket(name, 0, 0.0)

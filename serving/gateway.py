@@ -25,18 +25,18 @@ from django.conf import settings
 
 from serving import metrics
 from serving.admission import Admission, Refused, Ticket, retry_after_header
-from serving.keys import KeyInfo, authenticate, follow_key_changes
+from serving.keys import KeyInfo, authenticate, authenticate_hash, follow_key_changes
+from serving.models import REQUEST_ID_MAX_LENGTH
 from serving.priority import DEFAULT_CLASS, PriorityClass, classes
 from serving.ratelimit import (
     Limit,
     MemoryLimiter,
     RedisLimiter,
-    Verdict,
     key_limits,
     token_charges,
 )
 from serving.router import Router
-from serving.routes import Pool, RouteReplica, routes
+from serving.routes import Pool, RouteReplica, replica_auth, routes
 from serving.upstream import Pool as ConnectionPool
 from serving.upstream import Response, UpstreamError
 from serving.usage import Usage, UsageWriter
@@ -78,6 +78,7 @@ class Timing:
     chunks: int = 0
     ticket: Ticket | None = None  # the admission slot held, released when the answer ends
     events: int = 0  # SSE data events relayed (the completion's size when no usage came)
+    reserved: int = 0  # completion tokens charged to the token budget at admission
 
 
 class Gateway:
@@ -90,9 +91,12 @@ class Gateway:
         self.admission = Admission()
         self.limiter: MemoryLimiter | RedisLimiter = MemoryLimiter()
         self.limiter_url: str | None = None
-        # client address -> when it last failed to authenticate (this process)
-        self.auth_failures: dict[str, float] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
+        # key id -> its requests between authentication and the end of their answer
+        self.key_in_flight: dict[int, int] = {}
+        # key hash -> the relays of its running streams; cut off when the key is revoked
+        self.streams: dict[str, set[asyncio.Task[None]]] = {}
+        self.cut_off: set[asyncio.Task[None]] = set()
 
     # --- plumbing --------------------------------------------------------------------
 
@@ -137,7 +141,21 @@ class Gateway:
                 self.refresh_capacity()
             except Exception:
                 logger.exception("load watcher failed; trying again")
+            try:
+                await self.end_streams_of_revoked_keys()
+            except Exception:
+                logger.exception("could not check the keys of running streams")
             await asyncio.sleep(settings.GATEWAY_LOAD_SCRAPE_SECONDS)
+
+    async def end_streams_of_revoked_keys(self) -> None:
+        """Cut off the running streams of keys revoked or expired since they began (seen
+        through the key cache: at once in this process, within GATEWAY_LOAD_SCRAPE_SECONDS
+        in others with Redis, within KEY_CACHE_SECONDS without)."""
+        for key_hash in list(self.streams):
+            if await authenticate_hash(key_hash) is None:
+                for pump in self.streams.pop(key_hash, ()):
+                    self.cut_off.add(pump)
+                    pump.cancel()
 
     def refresh_capacity(self) -> None:
         """Replicas came or went: waiting requests take the new slots."""
@@ -176,7 +194,8 @@ class Gateway:
         async def one(replica: RouteReplica) -> None:
             try:
                 async with asyncio.timeout(2):
-                    text = await client.get_text(replica.url, "/metrics")
+                    text = await client.get_text(replica.url, "/metrics",
+                                                 replica_auth(replica))
             except (UpstreamError, TimeoutError):
                 return
             total = 0.0
@@ -197,7 +216,8 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.http()  # the load watcher (which also follows the route table) runs
         request_id = header(scope, b"x-request-id") or ""
-        if not request_id or len(request_id) > 200 or not request_id.isprintable():
+        if (not request_id or len(request_id) > REQUEST_ID_MAX_LENGTH
+                or not request_id.isprintable()):
             request_id = uuid.uuid4().hex  # absent, or not fit to log and pass on
         base_headers = [(b"x-request-id", request_id.encode())]
         try:
@@ -221,38 +241,29 @@ class Gateway:
 
     async def authenticate(self, scope: Scope) -> KeyInfo:
         """The caller's key. Unknown, revoked, expired, forged and truncated keys all get
-        the same 401; an address with too many failures in a minute gets 429."""
-        address = (scope.get("client") or ("-", 0))[0]
-        if not settings.GATEWAY_AUTH_FAILURES_PER_MINUTE:
-            return await self.check_key(scope)
-        failures = Limit("requests", f"authfail:{address}",
-                         settings.GATEWAY_AUTH_FAILURES_PER_MINUTE, 1)
-        if address in self.auth_failures:
-            if time.monotonic() - self.auth_failures[address] > 60:
-                del self.auth_failures[address]
-            else:
-                try:
-                    verdict = await self.limiter.admit([failures], commit=False)
-                except Exception:  # no count to go by: the key check still runs
-                    logger.exception("could not read the failed-attempt count")
-                    verdict = Verdict(True)
-                if not verdict.allowed:
-                    metrics.child(metrics.REFUSED, "-", "auth_failures").inc()
-                    raise GatewayError(
-                        429, "too many failed authentication attempts from this address",
-                        kind="rate_limit_error", code="too_many_auth_failures",
-                        headers=[retry_after_header(verdict.retry_after)])
+        the same 401. Failed attempts are counted per client address: beyond
+        GATEWAY_AUTH_FAILURES_PER_MINUTE, further failed attempts get 429. A request with
+        a valid key is never refused by that count, so one client guessing keys behind a
+        shared address (an ingress, a NAT) cannot lock the others out."""
         try:
             return await self.check_key(scope)
         except GatewayError:
-            if len(self.auth_failures) > 100_000:
-                self.auth_failures.clear()
-            self.auth_failures[address] = time.monotonic()
+            if not settings.GATEWAY_AUTH_FAILURES_PER_MINUTE:
+                raise
+            address = (scope.get("client") or ("-", 0))[0]
+            failures = Limit("requests", f"authfail:{address}",
+                             settings.GATEWAY_AUTH_FAILURES_PER_MINUTE, 1)
             try:
-                await self.limiter.charge([failures])
-            except Exception:
-                logger.exception("could not count a failed attempt")
-            raise
+                verdict = await self.limiter.admit([failures])  # counts this attempt
+            except Exception:  # no count to go by: the attempt is answered as it is
+                logger.exception("could not count a failed authentication attempt")
+                raise
+            if verdict.allowed:
+                raise
+        metrics.child(metrics.REFUSED, "-", "auth_failures").inc()
+        raise GatewayError(429, "too many failed authentication attempts from this address",
+                           kind="rate_limit_error", code="too_many_auth_failures",
+                           headers=[retry_after_header(verdict.retry_after)])
 
     async def check_key(self, scope: Scope) -> KeyInfo:
         value = header(scope, b"authorization")
@@ -313,8 +324,29 @@ class Gateway:
 
     async def proxy(self, scope: Scope, receive: Receive, send: Send, kind: str,
                     request_id: str, headers: list[tuple[bytes, bytes]]) -> None:
-        timing = Timing()
         key = await self.authenticate(scope)
+        held = self.key_in_flight.get(key.key_id, 0)
+        most = settings.GATEWAY_KEY_MAX_IN_FLIGHT
+        if most and held >= most:
+            metrics.child(metrics.REFUSED, "-", "key_in_flight").inc()
+            raise GatewayError(429, f"this API key already has {held} requests in flight "
+                                    f"(at most {most}); wait for one to finish",
+                               kind="rate_limit_error", code="too_many_requests_in_flight",
+                               headers=[(b"retry-after", b"1")])
+        self.key_in_flight[key.key_id] = held + 1
+        try:
+            await self.call(scope, receive, send, kind, request_id, headers, key)
+        finally:
+            left = self.key_in_flight.get(key.key_id, 1) - 1
+            if left > 0:
+                self.key_in_flight[key.key_id] = left
+            else:
+                self.key_in_flight.pop(key.key_id, None)
+
+    async def call(self, scope: Scope, receive: Receive, send: Send, kind: str,
+                   request_id: str, headers: list[tuple[bytes, bytes]], key: KeyInfo
+                   ) -> None:
+        timing = Timing()
         raw = await self.read_body(scope, receive)
         try:
             body = orjson.loads(raw)
@@ -335,7 +367,8 @@ class Gateway:
                                code="model_not_allowed")
         priority = self.priority_of(scope, key)
         prompt_tokens = estimate_prompt_tokens(body, kind)
-        limits = key_limits(key, prompt_tokens)
+        timing.reserved = reserved_completion_tokens(body, kind)
+        limits = key_limits(key, prompt_tokens, timing.reserved)
         if limits:
             try:
                 verdict = await self.limiter.admit(limits)
@@ -416,9 +449,10 @@ class Gateway:
         if healthy:
             priority = priority or classes()[DEFAULT_CLASS]
             try:
+                owner = f"key:{key.key_id}" if key is not None else f"user:{user}"
                 timing.ticket = await self.admit(
                     f"{pool.deployment}|{lane}", healthy * pool.replica_concurrency, priority,
-                    receive)
+                    receive, owner)
             except asyncio.CancelledError:
                 # The client left while waiting; counted like a client that leaves mid-answer.
                 self.record(key, model, pool, "", 499, stream, None, timing, request_id,
@@ -443,14 +477,15 @@ class Gateway:
             raise
 
     async def admit(self, lane: str, capacity: int, priority: PriorityClass,
-                    receive: Receive | None) -> Ticket:
+                    receive: Receive | None, owner: str | None = None) -> Ticket:
         """A slot from the priority queue. With `receive` (an HTTP request), a client that
         disconnects while it waits leaves the queue at once: the server does not cancel the
         request's task, it only says so through `receive`."""
         ticket = self.admission.try_acquire(lane, capacity, priority)
         if ticket is not None:
             return ticket
-        acquiring = asyncio.ensure_future(self.admission.acquire(lane, capacity, priority))
+        acquiring = asyncio.ensure_future(self.admission.acquire(lane, capacity, priority,
+                                                                 owner))
         if receive is None:
             return await acquiring
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
@@ -479,7 +514,7 @@ class Gateway:
                     timing: Timing, *, key: KeyInfo | None, stream: bool, user: str
                     ) -> tuple[RouteReplica, Response]:
         tried: list[str] = []
-        upstream_headers = (("Content-Type", "application/json"), ("X-Request-Id", request_id))
+        base_headers = (("Content-Type", "application/json"), ("X-Request-Id", request_id))
         response: Response | None = None
         replica: RouteReplica | None = None
         last_error = ""
@@ -493,6 +528,8 @@ class Gateway:
             state = self.router.state(replica.name)
             state.in_flight += 1
             timing.sent = time.perf_counter()
+            # Replicas demand their deployment's engine key (an external endpoint its own).
+            upstream_headers = (*base_headers, *replica_auth(replica))
             try:
                 response = await client.request("POST", replica.url, path, raw,
                                                 upstream_headers)
@@ -583,10 +620,18 @@ class Gateway:
                 out_headers.append((b"cache-control", b"no-cache"))
                 usage, completed = await self.relay_stream(
                     send, receive, response, out_headers, wants_usage, timing, model, pool,
-                    replica)
+                    replica, key.key_hash)
             else:
                 try:
-                    payload = await read_unless_gone(response, receive)
+                    payload = await read_unless_gone(response, receive,
+                                                     settings.GATEWAY_MAX_RESPONSE_BYTES)
+                except ResponseTooLarge as exc:
+                    response.close()
+                    status = 502
+                    self.record(key, model, pool, replica.name, status, stream, None, timing,
+                                request_id)
+                    raise GatewayError(502, str(exc), kind="upstream_error",
+                                       code="response_too_large") from None
                 except UpstreamError as exc:
                     self.router.failed(replica.name)
                     metrics.child(metrics.UPSTREAM_ERRORS, model, pool.deployment).inc()
@@ -621,13 +666,15 @@ class Gateway:
             self.release(timing)
             metrics.child(metrics.IN_FLIGHT, model, pool.deployment).dec()
             if key.tpm or key.team_tpm:
-                # The completion, and the prompt beyond what admission charged, once known.
+                # What was used, less what admission charged (the prompt's estimate and the
+                # reserved completion), once known: more is charged, less given back.
                 # A stream the client left has no usage: its relayed events count instead.
                 completion = (usage or {}).get("completion_tokens")
                 prompt = (usage or {}).get("prompt_tokens")
                 charges = token_charges(
                     key, completion if isinstance(completion, int) else timing.events,
-                    prompt if isinstance(prompt, int) else None, prompt_tokens)
+                    prompt if isinstance(prompt, int) else None, prompt_tokens,
+                    timing.reserved)
                 if charges:
                     self.spawn(self.charge(charges))
         self.record(key, model, pool, replica.name, status, stream, usage, timing, request_id)
@@ -648,7 +695,8 @@ class Gateway:
                            response: Response,
                            headers: list[tuple[bytes, bytes]], wants_usage: bool,
                            timing: Timing, model: str, pool: Pool,
-                           replica: RouteReplica) -> tuple[dict[str, Any] | None, bool]:
+                           replica: RouteReplica, key_hash: str = ""
+                           ) -> tuple[dict[str, Any] | None, bool]:
         """Relay a stream; returns the usage it carried and whether it ended cleanly."""
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         found: dict[str, Any] = {}
@@ -656,6 +704,9 @@ class Gateway:
         # Two tasks per stream, none per chunk: one relays, one waits for the client to go.
         pump = loop.create_task(self.pump(send, response, wants_usage, timing, found))
         watcher = loop.create_task(wait_for_disconnect(receive))
+        mine = self.streams.setdefault(key_hash, set()) if key_hash else None
+        if mine is not None:
+            mine.add(pump)  # cut off if the key is revoked meanwhile
         try:
             await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -664,6 +715,21 @@ class Gateway:
             raise
         finally:
             watcher.cancel()
+            if mine is not None:
+                mine.discard(pump)
+                if not mine and self.streams.get(key_hash) is mine:
+                    del self.streams[key_hash]
+        if pump in self.cut_off:  # the key was revoked or expired mid-stream
+            self.cut_off.discard(pump)
+            response.close()
+            notice = {"error": {"message": "the API key was revoked or has expired; the "
+                                           "answer was cut off",
+                                "type": "authentication_error", "code": "api_key_revoked"}}
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body",
+                            "body": b"data: " + orjson.dumps(notice) + b"\n\n",
+                            "more_body": False})
+            return found.get("usage"), False
         if not pump.done():  # the client went away: the engine sees it and frees its cache
             pump.cancel()
             response.close()
@@ -757,10 +823,28 @@ async def wait_for_disconnect(receive: Receive) -> None:
         continue
 
 
-async def read_unless_gone(response: Response, receive: Receive) -> bytes | None:
-    """The whole upstream body, or None when the client disconnects first."""
+class ResponseTooLarge(Exception):
+    pass
+
+
+async def read_capped(response: Response, limit: int) -> bytes:
+    """The whole upstream body, unless it grows beyond `limit` bytes."""
+    parts, size = [], 0
+    while chunk := await response.readany():
+        size += len(chunk)
+        if size > limit:
+            raise ResponseTooLarge(f"the replica's answer is over the limit of {limit} bytes "
+                                   f"(GATEWAY_MAX_RESPONSE_BYTES); ask for less, or stream it")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def read_unless_gone(response: Response, receive: Receive, limit: int
+                           ) -> bytes | None:
+    """The whole upstream body (at most `limit` bytes), or None when the client
+    disconnects first."""
     loop = asyncio.get_running_loop()
-    reading = loop.create_task(response.read())
+    reading = loop.create_task(read_capped(response, limit))
     watcher = loop.create_task(wait_for_disconnect(receive))
     try:
         await asyncio.wait({reading, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -904,6 +988,16 @@ def estimate_prompt_tokens(body: dict[str, Any], kind: str) -> int:
             elif isinstance(item, list):  # token ids
                 chars += 4 * len(item)
     return max(1, (chars + 3) // 4)
+
+
+def reserved_completion_tokens(body: dict[str, Any], kind: str) -> int:
+    """The completion tokens a request may ask for: n x max_tokens (reserved against the
+    token budget at admission; the difference to what was used is settled at the end)."""
+    if kind == "embedding":
+        return 0
+    most = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+    n = body.get("n") or 1
+    return int(most) * int(n) if isinstance(most, int) and isinstance(n, int) else 0
 
 
 def prompt_prefix(body: dict[str, Any], kind: str) -> str | None:

@@ -1,10 +1,15 @@
 """API keys on the hot path: an in-memory cache in front of the database.
 
-A key is looked up once, then served from memory. Any change to a key (create, revoke,
-delete) clears this process's cache at once and, with REDIS_URL set, every other gateway
-process's within GATEWAY_LOAD_SCRAPE_SECONDS. Besides, an entry older than
-KEY_CACHE_SECONDS is refreshed in the background. Concurrent requests with an unseen key
-share one lookup; no request waits for the database once its key has been seen.
+A key is looked up once, then served from memory for at most KEY_CACHE_SECONDS: past half
+of that it is refreshed in the background, past all of it the entry is a miss and the
+request waits for the database, so a revoked key is refused by every gateway process within
+KEY_CACHE_SECONDS even without Redis. Any change to a key or team clears this process's
+cache when its transaction commits (not before: a lookup between the change and the commit
+would cache the old row) and, with REDIS_URL set, every other gateway process's within
+GATEWAY_LOAD_SCRAPE_SECONDS. A lookup that was in flight across a clear answers its waiters
+but is not cached. Concurrent requests with an unseen key share one lookup. Unknown keys
+are remembered apart from known ones, so a flood of made-up keys cannot push the real ones
+out of the cache.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class KeyInfo:
     team_rpm: int | None = None
     team_tpm: int | None = None
     expires: float | None = None  # seconds since the epoch
+    key_hash: str = ""  # to look the key up again (running answers of a revoked key end)
 
     def expired(self) -> bool:
         return self.expires is not None and time.time() >= self.expires
@@ -46,10 +52,15 @@ class KeyInfo:
         return not self.allowed_models or any(n in self.allowed_models for n in names)
 
 
-# key hash -> (what the database said, when it said it)
+# key hash -> (what the database said, when it said it); known keys and unknown ones apart
 _cache: dict[str, tuple[KeyInfo | None, float]] = {}
+_unknown: dict[str, tuple[KeyInfo | None, float]] = {}
+CACHE_LIMIT = 100_000
+UNKNOWN_LIMIT = 10_000
 # key hash -> the lookup in flight, shared by every request that needs it meanwhile
 _lookups: dict[str, asyncio.Future[KeyInfo | None]] = {}
+# Bumped by every clear: a lookup that started before it does not fill the cache.
+_generation = [0]
 
 
 KEYS_VERSION_KEY = "fleetplane:keys-version"
@@ -57,13 +68,20 @@ _seen_version: list[bytes | str | None] = [None]
 
 
 def clear_cache(**kwargs: object) -> None:
-    """A key changed: forget every cached key here, and tell other gateway processes
-    through Redis (they check every GATEWAY_LOAD_SCRAPE_SECONDS)."""
-    _cache.clear()
-    if settings.REDIS_URL:
-        from django.db import transaction
+    """A key or team changed: once the change commits, forget every cached key here and
+    tell other gateway processes through Redis (they check every
+    GATEWAY_LOAD_SCRAPE_SECONDS)."""
+    from django.db import transaction
 
-        transaction.on_commit(_bump_version)
+    transaction.on_commit(forget_all)
+
+
+def forget_all() -> None:
+    _generation[0] += 1
+    _cache.clear()
+    _unknown.clear()
+    if settings.REDIS_URL:
+        _bump_version()
 
 
 def _bump_version() -> None:
@@ -80,7 +98,9 @@ async def follow_key_changes(connection: Any) -> None:
     version = await connection.get(KEYS_VERSION_KEY)
     if version != _seen_version[0]:
         if _seen_version[0] is not None or version is not None:
+            _generation[0] += 1
             _cache.clear()
+            _unknown.clear()
         _seen_version[0] = version
 
 
@@ -101,7 +121,8 @@ def _lookup(key_hash: str) -> KeyInfo | None:
                    team_id=team.pk if team else None,
                    team_rpm=team.rpm_limit if team else None,
                    team_tpm=team.tpm_limit if team else None,
-                   expires=record.expires_at.timestamp() if record.expires_at else None)
+                   expires=record.expires_at.timestamp() if record.expires_at else None,
+                   key_hash=key_hash)
 
 
 async def _fetch(key_hash: str) -> KeyInfo | None:
@@ -111,6 +132,7 @@ async def _fetch(key_hash: str) -> KeyInfo | None:
         return await pending
     future: asyncio.Future[KeyInfo | None] = asyncio.get_running_loop().create_future()
     _lookups[key_hash] = future
+    generation = _generation[0]
     try:
         info = await sync_to_async(_lookup, thread_sensitive=False)(key_hash)
     except BaseException as exc:
@@ -119,9 +141,13 @@ async def _fetch(key_hash: str) -> KeyInfo | None:
         raise
     finally:
         _lookups.pop(key_hash, None)
-    if len(_cache) > 100_000:
-        _cache.clear()
-    _cache[key_hash] = (info, time.monotonic())
+    if generation == _generation[0]:  # nothing changed while the database answered
+        store, limit = (_cache, CACHE_LIMIT) if info is not None else (_unknown, UNKNOWN_LIMIT)
+        _cache.pop(key_hash, None)
+        _unknown.pop(key_hash, None)
+        while len(store) >= limit:  # the oldest entry goes first
+            del store[next(iter(store))]
+        store[key_hash] = (info, time.monotonic())
     future.set_result(info)
     return info
 
@@ -129,25 +155,37 @@ async def _fetch(key_hash: str) -> KeyInfo | None:
 async def authenticate(key: str) -> KeyInfo | None:
     """The key's record if it is known, not revoked and not expired; None for every other
     case alike (the caller answers all of them the same way)."""
-    info = await _authenticate(key)
+    return await authenticate_hash(hashlib.sha256(key.encode()).hexdigest())
+
+
+async def authenticate_hash(key_hash: str) -> KeyInfo | None:
+    """As `authenticate`, for a key known by its hash."""
+    info = await _authenticate(key_hash)
     return None if info is None or info.expired() else info
 
 
-async def _authenticate(key: str) -> KeyInfo | None:
-    key_hash = hashlib.sha256(key.encode()).hexdigest()
-    cached = _cache.get(key_hash)
-    if cached is None:
-        # Unknown keys are remembered too, so retrying a bad key cannot make every
-        # request a database query.
-        return await _fetch(key_hash)
-    info, fetched = cached
-    if time.monotonic() - fetched > settings.KEY_CACHE_SECONDS and key_hash not in _lookups:
-        # Serve what is known and refresh in the background: no request waits for the
-        # database once its key has been seen.
-        task = asyncio.get_running_loop().create_task(_fetch(key_hash))
-        _background.add(task)
-        task.add_done_callback(_background.discard)
-    return info
+async def _authenticate(key_hash: str) -> KeyInfo | None:
+    cached = _cache.get(key_hash) or _unknown.get(key_hash)
+    if cached is not None:
+        info, fetched = cached
+        age = time.monotonic() - fetched
+        ttl = settings.KEY_CACHE_SECONDS
+        if age <= ttl:
+            if age > ttl / 2 and key_hash not in _lookups:
+                # Refresh ahead, in the background: a key in use never waits for the
+                # database as long as it is used at least once per half-life.
+                task = asyncio.get_running_loop().create_task(_fetch(key_hash))
+                _background.add(task)
+                task.add_done_callback(_finished)
+            return info
+    # Unseen, or older than KEY_CACHE_SECONDS: never answered from a stale entry.
+    return await _fetch(key_hash)
 
 
 _background: set[asyncio.Task[KeyInfo | None]] = set()
+
+
+def _finished(task: asyncio.Task[KeyInfo | None]) -> None:
+    _background.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("could not refresh a cached API key: %s", task.exception())

@@ -43,6 +43,10 @@ REFUSED = Counter("fleetplane_gateway_refused_total",
                   "Requests refused before reaching a replica, by reason",
                   ["deployment", "reason"])
 
+USAGE_DROPPED = Counter("fleetplane_gateway_usage_records_dropped_total",
+                        "Usage records the database refused even written one by one (each "
+                        "is logged with its content)")
+
 
 @functools.lru_cache(maxsize=8192)
 def child(metric: Any, *labels: str) -> Any:

@@ -72,11 +72,16 @@ class ApiKey(models.Model):
         return self.is_active() and self.scope == self.Scope.ADMIN
 
 
+#: The longest X-Request-Id the gateway passes on and records; a longer one is replaced
+#: by a generated id (the usage column holds exactly this many characters).
+REQUEST_ID_MAX_LENGTH = 200
+
+
 class UsageRecord(models.Model):
     """One answered request, written in batches off the hot path."""
 
     at = models.DateTimeField(db_index=True)
-    request_id = models.CharField(max_length=100)
+    request_id = models.CharField(max_length=REQUEST_ID_MAX_LENGTH)
     # No database constraint: a record written after its key was deleted must not make
     # the whole batch fail.
     key = models.ForeignKey(ApiKey, on_delete=models.SET_NULL, null=True, blank=True,

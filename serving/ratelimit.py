@@ -171,8 +171,10 @@ class RedisLimiter:
 Limiter = MemoryLimiter | RedisLimiter
 
 
-def key_limits(info: Any, prompt_tokens: int) -> list[Limit]:
-    """The buckets a request with this key touches, at admission."""
+def key_limits(info: Any, prompt_tokens: int, reserved: int = 0) -> list[Limit]:
+    """The buckets a request with this key touches, at admission: one request, and the
+    prompt's estimated tokens plus the completion tokens it may ask for (`reserved`:
+    n x max_tokens), so a request cannot take more than its key has left."""
     limits = []
     for owner, rpm, tpm in ((f"key:{info.key_id}", info.rpm, info.tpm),
                             (f"team:{info.team_id}", info.team_rpm, info.team_tpm)):
@@ -184,22 +186,23 @@ def key_limits(info: Any, prompt_tokens: int) -> list[Limit]:
             # A prompt larger than the whole budget is let in on an empty bucket (and
             # the bucket then stays full for longer), not refused forever.
             limits.append(Limit("tokens", f"{owner}:tpm", tpm,
-                                min(max(1, prompt_tokens), tpm)))
+                                min(max(1, prompt_tokens + reserved), tpm)))
     return limits
 
 
-def token_charges(info: Any, completion: int, prompt: int | None, estimated: int
-                  ) -> list[Limit]:
-    """What each token bucket is owed once the answer has ended: the completion, and the
-    prompt tokens beyond what admission charged it (the estimate, capped at the bucket's
-    size), so a huge prompt pays in full, only later."""
+def token_charges(info: Any, completion: int, prompt: int | None, estimated: int,
+                  reserved: int = 0) -> list[Limit]:
+    """What each token bucket is owed once the answer has ended: the prompt (the engine's
+    count, else the estimate) and the completion, less what admission charged (the
+    estimate and the reservation, capped at the bucket's size). Negative when less was
+    used than reserved: the difference is given back."""
     charges = []
     for owner, tpm in ((f"key:{info.key_id}", info.tpm),
                        (f"team:{info.team_id}", info.team_tpm)):
         if not tpm or owner.endswith(":None"):
             continue
-        charged = min(max(1, estimated), tpm)
-        owed = max(0, completion) + max(0, (prompt or 0) - charged)
-        if owed > 0:
+        charged = min(max(1, estimated + reserved), tpm)
+        owed = max(0, completion) + (prompt if prompt is not None else estimated) - charged
+        if owed:
             charges.append(Limit("tokens", f"{owner}:tpm", tpm, owed))
     return charges

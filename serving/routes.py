@@ -4,6 +4,14 @@ The controller publishes, after each reconcile pass, which replicas of which dep
 may take traffic; the gateway reads it and never touches the database for it. In one
 process the table is handed over in memory; where the gateway runs in other processes
 (REDIS_URL set), the controller also writes it to Redis and gateways poll it.
+
+Each replica carries the key the gateway must send it (`Authorization: Bearer`): the
+deployment's engine key, or an external endpoint's own api key. In Redis every such key
+is sealed (serving/sealing.py, a key derived from SECRET_KEY, which all processes of one
+install share): whoever can read Redis learns the topology, not a way past the gateway.
+The keys travel with the table rather than being fetched apart because the table is
+already the one thing a gateway reads to reach a replica; a second channel would be a
+second thing to keep in step on every change.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from serving.sealing import SealError, seal, unseal
+
 logger = logging.getLogger(__name__)
 
 REDIS_KEY = "fleetplane:routes"
@@ -23,6 +33,13 @@ REDIS_KEY = "fleetplane:routes"
 class RouteReplica:
     name: str
     url: str  # the OpenAI base URL without /v1
+    #: Sent as `Authorization: Bearer`; "" sends none. Kept out of repr (logs, tracebacks).
+    key: str = field(default="", repr=False)
+
+
+def replica_auth(replica: RouteReplica) -> tuple[tuple[str, str], ...]:
+    """The header a request to this replica carries so the replica takes it."""
+    return (("Authorization", f"Bearer {replica.key}"),) if replica.key else ()
 
 
 @dataclass(frozen=True)
@@ -73,20 +90,30 @@ class RouteTable:
     def pool_for(self, model: str) -> Pool | None:
         return self.pools.get(model)
 
-    def to_json(self) -> str:
-        """One entry per deployment, in a stable order: equal tables give equal text."""
+    def to_json(self, *, sealed: bool = True) -> str:
+        """One entry per deployment, in a stable order. Replica keys are sealed (the text
+        for Redis: equal tables then give different text, as sealing is randomised);
+        `sealed=False` gives the plain text a process compares tables by and never lets
+        out of its memory."""
         pools = {pool.deployment: asdict(pool) for pool in self.pools.values()}
+        if sealed:
+            for raw in pools.values():
+                for replica in raw["replicas"]:
+                    replica["key"] = seal(replica["key"])
         return json.dumps(pools, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> RouteTable:
+        """A table `to_json()` wrote (keys sealed)."""
         return build_table([pool_from_dict(raw) for raw in json.loads(text).values()])
 
 
 def pool_from_dict(raw: dict[str, Any]) -> Pool:
     return Pool(deployment=raw["deployment"], served_model_name=raw["served_model_name"],
                 policy=raw.get("policy", "least-load"), max_model_len=raw.get("max_model_len"),
-                replicas=tuple(RouteReplica(**r) for r in raw.get("replicas", [])),
+                replicas=tuple(RouteReplica(name=r["name"], url=r["url"],
+                                            key=unseal(r.get("key") or ""))
+                               for r in raw.get("replicas", [])),
                 names=tuple(raw.get("names", ())), wakes=bool(raw.get("wakes", False)),
                 replica_concurrency=int(raw.get("replica_concurrency") or 256),
                 priority_scheduling=bool(raw.get("priority_scheduling", False)),
@@ -108,7 +135,8 @@ class RouteStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._table = RouteTable()
-        self._text = RouteTable().to_json()
+        self._text = RouteTable().to_json(sealed=False)
+        self._seen = ""  # the last text taken from another process (sealed)
         #: True once a controller in this process has published a table.
         self.publishes_locally = False
 
@@ -118,7 +146,7 @@ class RouteStore:
 
     def publish(self, table: RouteTable, redis_url: str | None = None) -> bool:
         """Replace the table if it changed; returns whether it did."""
-        text = table.to_json()
+        text = table.to_json(sealed=False)
         with self._lock:
             self.publishes_locally = True
             if text == self._text:
@@ -128,18 +156,25 @@ class RouteStore:
             try:
                 import redis
 
-                redis.Redis.from_url(redis_url).set(REDIS_KEY, text)
+                redis.Redis.from_url(redis_url).set(REDIS_KEY, table.to_json())
             except Exception:
                 logger.exception("could not publish the route table to Redis")
         return True
 
     def load_json(self, text: str) -> None:
         """Take a table another process published, when it differs from the current one."""
-        if text == self._text:
+        if text == self._seen:
             return
-        table = RouteTable.from_json(text)
+        try:
+            table = RouteTable.from_json(text)
+        except SealError:
+            # Another install's table (a different SECRET_KEY) in a shared Redis: keep ours.
+            logger.error("the route table in Redis was sealed with another SECRET_KEY; "
+                         "ignored")
+            self._seen = text
+            return
         with self._lock:
-            self._table, self._text = table, text
+            self._table, self._text, self._seen = table, table.to_json(sealed=False), text
 
 
 routes = RouteStore()

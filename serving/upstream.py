@@ -333,10 +333,11 @@ class Pool:
         connection = await self.connect(where)
         return await connection.send(request)
 
-    async def get_text(self, base_url: str, path: str) -> str:
+    async def get_text(self, base_url: str, path: str,
+                       headers: tuple[tuple[str, str], ...] = ()) -> str:
         """GET a text document (a replica's /metrics) whole; a status other than 200 is an
         UpstreamError. Callers bound the wait with asyncio.timeout."""
-        response = await self.request("GET", base_url, path)
+        response = await self.request("GET", base_url, path, headers=headers)
         try:
             if response.status != 200:
                 raise UpstreamError(f"GET {path}: HTTP {response.status}")

@@ -1,7 +1,11 @@
 """Usage records, written in batches off the hot path.
 
 The gateway appends a record to an in-memory buffer; a background task writes the buffer
-with one bulk insert every USAGE_FLUSH_SECONDS (or at once when it is large).
+with one bulk insert every USAGE_FLUSH_SECONDS (or at once when it is large). A batch the
+database refuses is written again row by row, so one bad row costs only itself: a row that
+still fails is logged with its content and counted in
+`fleetplane_gateway_usage_records_dropped_total`, and the keys' totals count exactly the
+rows written.
 """
 
 from __future__ import annotations
@@ -15,8 +19,12 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from serving import metrics
+
 logger = logging.getLogger(__name__)
 FLUSH_AT = 1000
+# Records kept while the database is out of reach; the oldest beyond are dropped.
+BUFFER_LIMIT = 100_000
 
 
 @dataclass
@@ -43,6 +51,7 @@ class UsageWriter:
         self.buffer: list[Usage] = []
         self.task: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
+        self.unreachable = 0  # flushes in a row that found the database out of reach
 
     def add(self, usage: Usage) -> None:
         self.buffer.append(usage)
@@ -53,6 +62,10 @@ class UsageWriter:
 
     async def run(self) -> None:
         while True:
+            if self.unreachable:
+                # Back off while the database is away, however full the buffer is.
+                await asyncio.sleep(min(30.0, settings.USAGE_FLUSH_SECONDS
+                                        * 2 ** min(self.unreachable, 6)))
             try:
                 await asyncio.wait_for(self.wake.wait(), timeout=settings.USAGE_FLUSH_SECONDS)
             except TimeoutError:
@@ -61,15 +74,31 @@ class UsageWriter:
             await self.flush()
 
     async def flush(self) -> int:
+        """Write what is buffered; returns how many records were written. Records the
+        database could not be reached for stay buffered (up to BUFFER_LIMIT) for the next
+        flush."""
         batch, self.buffer = self.buffer, []
         if not batch:
             return 0
         try:
-            await sync_to_async(write_batch, thread_sensitive=False)(batch)
+            written = await sync_to_async(write_batch, thread_sensitive=False)(batch)
+            self.unreachable = 0
+            return written
+        except StoreUnavailable as exc:
+            self.unreachable += 1
+            logger.warning("could not reach the database for %d usage records (%s); "
+                           "keeping them for the next try", len(batch), exc)
+            self.buffer = batch + self.buffer
+            over = len(self.buffer) - BUFFER_LIMIT
+            if over > 0:
+                for usage in self.buffer[:over]:
+                    _drop(usage)
+                del self.buffer[:over]
         except Exception:
             logger.exception("could not write %d usage records", len(batch))
-            return 0
-        return len(batch)
+            for usage in batch:
+                _drop(usage)
+        return 0
 
 
 COLUMNS = ("at", "request_id", "key_id", "model", "deployment", "replica", "status", "stream",
@@ -77,26 +106,87 @@ COLUMNS = ("at", "request_id", "key_id", "model", "deployment", "replica", "stat
            "username")
 
 
-def write_batch(batch: list[Usage]) -> None:
-    """One INSERT for the whole batch. Plain rows, not model instances: this runs in a
-    thread beside the relay, and every microsecond it holds the interpreter is one the
-    relay waits."""
-    from django.db import close_old_connections, connection, transaction
+class StoreUnavailable(Exception):
+    """The database could not be reached: nothing of the batch was written."""
 
-    from serving.models import ApiKey, UsageRecord
+
+def write_batch(batch: list[Usage]) -> int:
+    """Write the batch in one transaction; if the database refuses it, row by row (one
+    savepoint each, in one transaction with the keys' totals). Returns how many rows were
+    written. Raises StoreUnavailable, having written nothing, when the database is out of
+    reach."""
+    from django.db import (
+        DatabaseError,
+        InterfaceError,
+        OperationalError,
+        close_old_connections,
+        connection,
+        transaction,
+    )
 
     close_old_connections()
+    rows = [_row(u, connection) for u in batch]
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.executemany(_insert_sql(connection), rows)
+            _add_to_key_totals(cursor, batch, connection)
+        return len(batch)
+    except (OperationalError, InterfaceError) as exc:
+        raise StoreUnavailable(str(exc)) from exc
+    except (DatabaseError, ValueError, OverflowError):
+        logger.warning("the database refused a batch of %d usage records; writing them "
+                       "one by one", len(batch), exc_info=True)
+    written: list[Usage] = []
+    dropped: list[Usage] = []
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            for usage, row in zip(batch, rows, strict=True):
+                try:
+                    with transaction.atomic():
+                        cursor.execute(_insert_sql(connection), row)
+                except (OperationalError, InterfaceError):
+                    raise
+                except (DatabaseError, ValueError, OverflowError):
+                    dropped.append(usage)
+                else:
+                    written.append(usage)
+            _add_to_key_totals(cursor, written, connection)
+    except (OperationalError, InterfaceError) as exc:
+        raise StoreUnavailable(str(exc)) from exc
+    for usage in dropped:
+        _drop(usage)
+    return len(written)
+
+
+def _drop(usage: Usage) -> None:
+    metrics.USAGE_DROPPED.inc()
+    logger.error("dropped a usage record the database refuses: %r", usage)
+
+
+def _insert_sql(connection: Any) -> str:
+    from serving.models import UsageRecord
+
     table = connection.ops.quote_name(UsageRecord._meta.db_table)
     columns = ", ".join(connection.ops.quote_name(c) for c in COLUMNS)
     placeholders = ", ".join(["%s"] * len(COLUMNS))
+    return f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"
+
+
+def _row(u: Usage, connection: Any) -> tuple[Any, ...]:
+    """Plain values, not a model instance: this runs in a thread beside the relay, and
+    every microsecond it holds the interpreter is one the relay waits."""
     at = connection.ops.adapt_datetimefield_value
-    rows = [(at(datetime.fromtimestamp(u.at, UTC)), u.request_id, u.key_id, u.model,
-             u.deployment, u.replica, u.status,
-             u.stream, u.prompt_tokens, u.completion_tokens, u.queue_ms, u.ttft_ms, u.itl_ms,
-             u.e2e_ms, u.username) for u in batch]
-    # The keys' totals: one UPDATE per key in the batch.
+    return (at(datetime.fromtimestamp(u.at, UTC)), u.request_id, u.key_id, u.model,
+            u.deployment, u.replica, u.status, u.stream, u.prompt_tokens,
+            u.completion_tokens, u.queue_ms, u.ttft_ms, u.itl_ms, u.e2e_ms, u.username)
+
+
+def _add_to_key_totals(cursor: Any, written: list[Usage], connection: Any) -> None:
+    """The keys' totals: one UPDATE per key, for the rows written."""
+    from serving.models import ApiKey
+
     totals: dict[int, list[Any]] = {}
-    for u in batch:
+    for u in written:
         if u.key_id is None:
             continue
         entry = totals.setdefault(u.key_id, [0, 0, 0, u.at])
@@ -104,16 +194,16 @@ def write_batch(batch: list[Usage]) -> None:
         entry[1] += u.prompt_tokens or 0
         entry[2] += u.completion_tokens or 0
         entry[3] = max(entry[3], u.at)
+    if not totals:
+        return
+    at = connection.ops.adapt_datetimefield_value
     keys = connection.ops.quote_name(ApiKey._meta.db_table)
     q = connection.ops.quote_name
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.executemany(f"INSERT INTO {table} ({columns}) VALUES ({placeholders})", rows)
-        if totals:
-            cursor.executemany(
-                f"UPDATE {keys} SET {q('requests_total')} = {q('requests_total')} + %s, "
-                f"{q('prompt_tokens_total')} = {q('prompt_tokens_total')} + %s, "
-                f"{q('completion_tokens_total')} = {q('completion_tokens_total')} + %s, "
-                f"{q('last_used_at')} = %s WHERE {q('id')} = %s",
-                # In key order, so concurrent writers lock rows in the same order.
-                [(n, p, c, at(datetime.fromtimestamp(last, UTC)), key_id)
-                 for key_id, (n, p, c, last) in sorted(totals.items())])
+    cursor.executemany(
+        f"UPDATE {keys} SET {q('requests_total')} = {q('requests_total')} + %s, "
+        f"{q('prompt_tokens_total')} = {q('prompt_tokens_total')} + %s, "
+        f"{q('completion_tokens_total')} = {q('completion_tokens_total')} + %s, "
+        f"{q('last_used_at')} = %s WHERE {q('id')} = %s",
+        # In key order, so concurrent writers lock rows in the same order.
+        [(n, p, c, at(datetime.fromtimestamp(last, UTC)), key_id)
+         for key_id, (n, p, c, last) in sorted(totals.items())])

@@ -21,6 +21,7 @@ class FakeEngine:
     name: str
     url: str
     process: subprocess.Popen[bytes]
+    key: str = ""  # the bearer key it demands on /v1/* ("" : none)
 
     def metric(self, name: str) -> float:
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
@@ -30,19 +31,19 @@ class FakeEngine:
 
 def start_fake_engine(name: str, model: str = "fake", interval_ms: float = 5,
                       host: str = "127.0.0.1", port: int = 0,
-                      max_running: int = 256) -> FakeEngine:
+                      max_running: int = 256, key: str = "") -> FakeEngine:
     port = port or free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "fakes.engine", "--host", host, "--port", str(port),
          "--model", model, "--token-interval-ms", str(interval_ms),
-         "--max-running", str(max_running)], cwd=ROOT)
+         "--max-running", str(max_running), "--api-key", key], cwd=ROOT)
     url = f"http://{host}:{port}"
     try:
         wait_healthy(url, 30, process)
     except RuntimeError:
         process.kill()
         raise
-    return FakeEngine(name, url, process)
+    return FakeEngine(name, url, process, key)
 
 
 @pytest.fixture
@@ -65,6 +66,6 @@ def publish(deployment: str, engines: list[FakeEngine], *, served: str = "fake",
             **options: object) -> None:
     pool = Pool(deployment=deployment, served_model_name=served, policy=policy,
                 max_model_len=2048,
-                replicas=tuple(RouteReplica(e.name, e.url) for e in engines),
+                replicas=tuple(RouteReplica(e.name, e.url, e.key) for e in engines),
                 names=names or (served, deployment), **options)  # type: ignore[arg-type]
     routes.publish(build_table([pool]))

@@ -88,8 +88,9 @@ class EmulatedCluster:
         async with ApplyingEmulator() as emulator, kmock.Server(emulator) as server:
             self.emulator, self.url = emulator, str(server.url).rstrip("/")
             emulator.__dict__["forget_requests"] = self.forget_requests
-            for resource in ("v1/pods", "v1/services", "apps/v1/deployments",
+            for resource in ("v1/pods", "v1/services", "v1/secrets", "apps/v1/deployments",
                              "policy/v1/poddisruptionbudgets",
+                             "networking.k8s.io/v1/networkpolicies",
                              "autoscaling/v2/horizontalpodautoscalers",
                              "keda.sh/v1alpha1/scaledobjects"):  # as where KEDA is installed
                 # Listed empty, not 404, before any object of the kind exists.

@@ -163,7 +163,10 @@ def backend_for(record: Backend) -> AnyBackend:
         if record.kind == "local":
             from controlplane.backends.local import LocalBackend, LocalConfig
 
-            backend = LocalBackend(LocalConfig.from_dict(record.config))
+            # Allow-lists are checked when the backend acts (start, apply), so a config
+            # stored before them, or a setting narrowed since, fails its own deployments
+            # with a message instead of every reconcile pass.
+            backend = LocalBackend(LocalConfig.from_dict(record.config, allow_lists=False))
         elif record.kind == "external":
             from controlplane.backends.external import ExternalBackend, ExternalConfig
 
@@ -172,7 +175,8 @@ def backend_for(record: Backend) -> AnyBackend:
             from controlplane.backends.k8s_manifests import KubernetesConfig
             from controlplane.backends.kubernetes import KubernetesBackend
 
-            backend = KubernetesBackend(KubernetesConfig.from_dict(record.config))
+            backend = KubernetesBackend(KubernetesConfig.from_dict(record.config,
+                                                                   allow_lists=False))
         else:
             raise BackendError(f"backend kind {record.kind!r} is not available")
         for old in [k for k in _instances if k[0] == record.pk]:  # its config changed

@@ -67,10 +67,16 @@ KINDS: dict[tuple[str, str], Kind] = {
     ("policy/v1", "PodDisruptionBudget"): Kind(
         "PolicyV1Api", "patch_namespaced_pod_disruption_budget",
         "list_namespaced_pod_disruption_budget", "delete_namespaced_pod_disruption_budget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): Kind(
+        "NetworkingV1Api", "patch_namespaced_network_policy",
+        "list_namespaced_network_policy", "delete_namespaced_network_policy"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"): Kind(
         "AutoscalingV2Api", "patch_namespaced_horizontal_pod_autoscaler",
         "list_namespaced_horizontal_pod_autoscaler",
         "delete_namespaced_horizontal_pod_autoscaler"),
+    # Last: removal deletes in this order, and a pod restarting meanwhile still finds it.
+    ("v1", "Secret"): Kind("CoreV1Api", "patch_namespaced_secret", "list_namespaced_secret",
+                           "delete_namespaced_secret"),
 }
 
 

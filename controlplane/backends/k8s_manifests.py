@@ -1,7 +1,7 @@
-"""What the Kubernetes backend applies for a deployment, as plain manifests (dicts): an
-apps/v1 Deployment running vLLM's OpenAI server, a headless Service, a
-PodDisruptionBudget, and, when the deployment asks for native scaling, an
-autoscaling/v2 HorizontalPodAutoscaler or a KEDA ScaledObject.
+"""What the Kubernetes backend applies for a deployment, as plain manifests (dicts): a
+Secret holding its engine key, an apps/v1 Deployment running vLLM's OpenAI server, a
+headless Service, a PodDisruptionBudget, a NetworkPolicy, and, when the deployment asks
+for native scaling, an autoscaling/v2 HorizontalPodAutoscaler or a KEDA ScaledObject.
 
 Pure functions of the Backend's configuration and the Deployment record: the same inputs
 give the same manifests, which is what server-side apply and a no-change resync need.
@@ -10,6 +10,8 @@ give the same manifests, which is what server-side apply and a no-change resync 
 
 from __future__ import annotations
 
+import base64
+import posixpath
 import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,8 @@ ROLE_LABEL = "fleetplane.io/role"
 GENERATION_ANNOTATION = "fleetplane.io/generation"
 PORT = 8000
 MODELS_MOUNT = "/models"
+# vLLM reads its --api-key from this variable; the pod takes it from the Secret.
+ENGINE_KEY_ENV = "VLLM_API_KEY"
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|k|M|G|T)?$")
 MODEL_SOURCES = ("pvc", "hostPath", "download")
@@ -68,7 +72,10 @@ class KubernetesConfig:
     warm_up: bool = True
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> KubernetesConfig:
+    def from_dict(cls, raw: dict[str, Any], *, allow_lists: bool = True) -> KubernetesConfig:
+        """Check a config. `allow_lists=False` (a config already stored, read to run it)
+        leaves the install's allow-lists to `apply`, which reports a refusal on the
+        deployment instead of failing every reconcile pass."""
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -135,11 +142,40 @@ class KubernetesConfig:
         if source == "hostPath" and not str(values.get("host_path", "")).startswith("/"):
             raise BackendConfigError("host_path", "required with model_source `hostPath`: "
                                                   "an absolute path on the nodes")
+        if allow_lists:
+            check_allowed(values)
         return cls(**values)
 
     def as_dict(self) -> dict[str, object]:
         return {name: list(value) if isinstance(value, tuple) else value
                 for name, value in asdict(self).items()}
+
+
+def check_allowed(values: dict[str, Any]) -> None:
+    """What this install's settings allow (docs/security.md): the image, the node path a
+    pod may mount, the service account. An admin key configures within these bounds."""
+    from django.conf import settings
+
+    image = str(values.get("image", KubernetesConfig.image))
+    tag = str(values.get("image_tag", KubernetesConfig.image_tag))
+    allowed = set(settings.KUBERNETES_ALLOWED_IMAGES)
+    if image not in allowed and f"{image}:{tag}" not in allowed:
+        raise BackendConfigError("image", f"{image}:{tag} is not an image this install "
+                                          f"allows (KUBERNETES_ALLOWED_IMAGES)")
+    host_path = str(values.get("host_path", ""))
+    if host_path:
+        path = posixpath.normpath(host_path)
+        if ".." in host_path.split("/") or not any(
+                path == prefix or path.startswith(prefix.rstrip("/") + "/")
+                for prefix in settings.KUBERNETES_ALLOWED_HOST_PATHS):
+            raise BackendConfigError("host_path", f"{host_path!r} is not under a node path "
+                                                  f"this install allows "
+                                                  f"(KUBERNETES_ALLOWED_HOST_PATHS)")
+    account = str(values.get("service_account", ""))
+    if account and account not in settings.KUBERNETES_ALLOWED_SERVICE_ACCOUNTS:
+        raise BackendConfigError("service_account", f"{account!r} is not a service account "
+                                                    f"this install allows "
+                                                    f"(KUBERNETES_ALLOWED_SERVICE_ACCOUNTS)")
 
 
 def gpus_for(deployment: Deployment) -> int:
@@ -178,7 +214,12 @@ def container(deployment: Deployment, config: KubernetesConfig) -> dict[str, Any
                                model_path=model_argument(deployment, config),
                                served_name=deployment.served_model_name(), port=PORT,
                                host="0.0.0.0")
-    env: list[dict[str, Any]] = [{"name": "VLLM_NO_USAGE_STATS", "value": "1"}]
+    env: list[dict[str, Any]] = [
+        {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+        # vLLM then refuses /v1/* without `Authorization: Bearer <key>`.
+        {"name": ENGINE_KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": engine_key_secret_name(deployment), "key": ENGINE_KEY_ENV}}},
+    ]
     if config.model_source == "download":
         env.append({"name": "HF_HOME", "value": f"{MODELS_MOUNT}/.hf"})
         if config.hf_token_secret:
@@ -209,6 +250,10 @@ def container(deployment: Deployment, config: KubernetesConfig) -> dict[str, Any
         # The Service stops sending new requests first; in-flight ones get this long.
         "lifecycle": {"preStop": {"sleep": {"seconds": min(
             30, max(5, config.termination_grace_seconds // 4))}}},
+        # Pod Security "baseline" and the parts of "restricted" vLLM can meet (it runs as
+        # root in the official image, so runAsNonRoot is left to the image's owner).
+        "securityContext": {"allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
     }
 
 
@@ -228,6 +273,9 @@ def pod_spec(deployment: Deployment, config: KubernetesConfig) -> dict[str, Any]
         "terminationGracePeriodSeconds": config.termination_grace_seconds,
         "tolerations": [dict(t) for t in config.tolerations],
         "enableServiceLinks": False,
+        # vLLM never calls the Kubernetes API: a token in the pod is only something to steal.
+        "automountServiceAccountToken": False,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
     }
     if config.gpu_product:
         spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
@@ -268,6 +316,7 @@ def render(deployment: Deployment, config: KubernetesConfig, scaling: str = "",
         spec["replicas"] = (deployment.desired_replicas() + deployment.desired_standby()
                             if replicas is None else replicas)
     objects: list[dict[str, Any]] = [
+        engine_key_secret(deployment, config),
         {
             "apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": metadata(deployment, config, deployment.name),
@@ -298,12 +347,54 @@ def render(deployment: Deployment, config: KubernetesConfig, scaling: str = "",
             "metadata": metadata(deployment, config, deployment.name),
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}},
         },
+        network_policy(deployment, config),
     ]
     if scaling == "hpa":
         objects.append(hpa(deployment, config))
     elif scaling == "keda":
         objects.append(scaled_object(deployment, config))
     return objects
+
+
+def engine_key_secret_name(deployment: Deployment) -> str:
+    return f"{deployment.name}-engine-key"
+
+
+def engine_key_secret(deployment: Deployment, config: KubernetesConfig) -> dict[str, Any]:
+    """The deployment's engine key, as the Secret its pods read it from (applied first,
+    so no pod starts without it)."""
+    key = base64.b64encode(deployment.engine_key().encode()).decode()
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": metadata(deployment, config, engine_key_secret_name(deployment)),
+        "data": {ENGINE_KEY_ENV: key},
+    }
+
+
+def network_policy(deployment: Deployment, config: KubernetesConfig) -> dict[str, Any]:
+    """Only the gateway and the controllers (and Prometheus, where its labels are set)
+    reach the replica port: the engine key is one lock, this is the second, and it also
+    covers /metrics and /health, which vLLM serves without a key."""
+    from django.conf import settings
+
+    def peer(namespace: str, labels: dict[str, str]) -> dict[str, Any]:
+        return {"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": namespace}},
+                "podSelector": {"matchLabels": dict(labels)}}
+
+    namespace = settings.KUBERNETES_CONTROL_PLANE_NAMESPACE
+    peers = [peer(namespace, settings.KUBERNETES_GATEWAY_POD_LABELS),
+             peer(namespace, settings.KUBERNETES_CONTROLLER_POD_LABELS)]
+    if settings.KUBERNETES_PROMETHEUS_POD_LABELS:
+        peers.append(peer(settings.KUBERNETES_PROMETHEUS_NAMESPACE,
+                          settings.KUBERNETES_PROMETHEUS_POD_LABELS))
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": metadata(deployment, config, deployment.name),
+        "spec": {"podSelector": {"matchLabels": owner_labels(deployment)},
+                 "policyTypes": ["Ingress"],
+                 "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": PORT}]}]},
+    }
 
 
 def hpa(deployment: Deployment, config: KubernetesConfig) -> dict[str, Any]:
@@ -343,6 +434,12 @@ def scaled_object(deployment: Deployment, config: KubernetesConfig) -> dict[str,
 
 
 def to_yaml(objects: list[dict[str, Any]]) -> str:
+    """The objects as YAML for a person to read: a Secret's values are left out (the
+    engine key is never shown after it is made; the control plane applies it itself)."""
     import yaml
 
-    return "".join("---\n" + yaml.safe_dump(obj, sort_keys=False) for obj in objects)
+    shown = [{**{k: v for k, v in obj.items() if k != "data"},
+              "stringData": dict.fromkeys(obj.get("data") or {}, "(hidden: applied by the "
+                                                                 "control plane)")}
+             if obj["kind"] == "Secret" else obj for obj in objects]
+    return "".join("---\n" + yaml.safe_dump(obj, sort_keys=False) for obj in shown)

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from controlplane.backends import vllm_http
-from controlplane.backends.base import BackendError, Member
+from controlplane.backends.base import BackendConfigError, BackendError, Member
 from controlplane.backends.k8s_client import Cluster, ClusterError, Watch, api_client
 from controlplane.backends.k8s_manifests import (
     ID_LABEL,
     MANAGED_BY,
     ROLE_LABEL,
     KubernetesConfig,
+    check_allowed,
     owner_labels,
     render,
 )
@@ -209,6 +210,10 @@ class KubernetesBackend:
     # --- writing ---------------------------------------------------------------------
 
     def apply(self, deployment: Deployment) -> bool:
+        try:  # stored before the allow-lists, or a setting narrowed since
+            check_allowed(self.config.as_dict())
+        except BackendConfigError as exc:
+            raise BackendError(f"the backend's {exc.field}: {exc.message}") from None
         objects = render(deployment, self.config)
         digest = spec_hash(objects)
         applied = self.objects.get(str(deployment.pk), {})
@@ -251,7 +256,10 @@ class KubernetesBackend:
             vllm_http.warm_up(self.http, deployment, replica.endpoint)
 
     def in_flight(self, replica: Replica) -> int | None:
-        return vllm_http.in_flight(self.http, replica.endpoint) if replica.endpoint else None
+        if not replica.endpoint:
+            return None
+        return vllm_http.in_flight(self.http, replica.endpoint,
+                                   replica.deployment.engine_key())
 
     def logs(self, replica: Replica, lines: int) -> list[str]:
         if not replica.pod_name:

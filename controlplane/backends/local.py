@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,24 @@ REPLICA_ENV_MARKER = "FLEETPLANE_REPLICA"
 # machine never touch each other's replicas.
 REPLICA_OWNER_ENV = "FLEETPLANE_DATA_DIR"
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+# vLLM's own variable for --api-key: its server then refuses /v1/* without the key.
+ENGINE_KEY_ENV = "VLLM_API_KEY"
+# What a replica may inherit from the control plane's environment (replica_environment).
+INHERITED_ENV = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+    "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    "TRANSFORMERS_CACHE", "TORCH_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+    "XDG_CACHE_HOME", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE",
+})
+# VLLM_API_KEY is not among them: it is the deployment's own (set below), never the
+# control plane's.
+# What a backend's `env` may not set: names that load other code into the interpreter
+# (an allow-listed python is no bound if PYTHONPATH or LD_PRELOAD can be set beside it),
+# and the ones the control plane sets itself.
+RESERVED_ENV = frozenset({ENGINE_KEY_ENV, REPLICA_ENV_MARKER, REPLICA_OWNER_ENV, "PATH",
+                          "BASH_ENV", "ENV"})
+RESERVED_ENV_PREFIXES = ("LD_", "PYTHON", "FLEETPLANE_")
+INHERITED_ENV_PREFIXES = ("LC_", "VLLM_", "HF_", "CUDA_", "NVIDIA_", "NCCL_", "ROCM_", "HIP_")
 
 
 @dataclass(frozen=True)
@@ -49,7 +68,10 @@ class LocalConfig:
     env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LocalConfig:
+    def from_dict(cls, data: dict[str, Any], *, allow_lists: bool = True) -> LocalConfig:
+        """Check a config. `allow_lists=False` (a config already stored, read to run it)
+        leaves the install's allow-lists to `start`, which refuses a replica with a
+        message instead of failing every reconcile pass."""
         known = {"kv_cache_gib", "cpu_cores_per_replica", "host", "python", "env"}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -69,16 +91,50 @@ class LocalConfig:
         python = data.get("python", "")
         if not isinstance(python, str):
             raise BackendConfigError("python", "must be a path to a Python interpreter")
+        refusal = refused_setting(python, {}) if allow_lists else None
+        if refusal and refusal[0] == "python":
+            raise BackendConfigError(*refusal)
         env = data.get("env", {})
         if not isinstance(env, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
         ):
             raise BackendConfigError("env", "must map names to string values")
+        refusal = refused_setting("", env) if allow_lists else None
+        if refusal:
+            raise BackendConfigError(*refusal)
         return cls(kv_cache_gib=kv, cpu_cores_per_replica=cores, host=host,
                    python=python, env=dict(env))
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def refused_setting(python: str, env: dict[str, str]) -> tuple[str, str] | None:
+    """(field, why) when the install does not allow this python or environment."""
+    if python and os.path.normpath(python) not in allowed_pythons():
+        return "python", (f"{python!r} is not an interpreter this install allows "
+                          f"(LOCAL_BACKEND_PYTHONS)")
+    refused = sorted(name for name in env if name in RESERVED_ENV
+                     or name.startswith(RESERVED_ENV_PREFIXES))
+    if refused:
+        return "env", (f"{refused[0]} may not be set: it would change which code runs, "
+                       f"or is the control plane's")
+    return None
+
+
+def allowed_pythons() -> set[str]:
+    """The interpreters a local backend may name: the control plane's own, and those the
+    install lists in LOCAL_BACKEND_PYTHONS."""
+    return {os.path.normpath(sys.executable),
+            *(os.path.normpath(p) for p in settings.LOCAL_BACKEND_PYTHONS)}
+
+
+def replica_environment(parent: Mapping[str, str]) -> dict[str, str]:
+    """What a replica inherits of the control plane's environment: an allow-list, so
+    SECRET_KEY, DATABASE_URL, REDIS_URL, cloud credentials and whatever else the control
+    plane was given never reach a process that runs model code."""
+    return {name: value for name, value in parent.items()
+            if name in INHERITED_ENV or name.startswith(INHERITED_ENV_PREFIXES)}
 
 
 def free_port(host: str, avoid: set[int]) -> int:
@@ -176,6 +232,9 @@ class LocalBackend:
         from controlplane.engine_args import engine_command_line
         from controlplane.models import Replica
 
+        refusal = refused_setting(self.config.python, self.config.env)
+        if refusal:  # stored before the allow-lists, or a setting narrowed since
+            raise BackendError(f"the backend's {refusal[0]}: {refusal[1]}")
         model = deployment.model
         if not model.path or not Path(model.path).is_dir():
             raise BackendError(f"model {model.name} has no local folder to serve")
@@ -191,9 +250,13 @@ class LocalBackend:
                                         port=port, host=self.config.host),
                    # Health probes would otherwise fill the log a person reads.
                    "--disable-uvicorn-access-log"]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", **placement_env, **self.config.env,
-               REPLICA_ENV_MARKER: replica.name, REPLICA_OWNER_ENV: str(settings.DATA_DIR)}
+        # The key goes in the environment, not on the command line: a command line is
+        # readable by every local user (ps) and is written to the log below.
+        env = {**replica_environment(os.environ), "HF_HUB_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **placement_env,
+               **self.config.env, REPLICA_ENV_MARKER: replica.name,
+               REPLICA_OWNER_ENV: str(settings.DATA_DIR),
+               ENGINE_KEY_ENV: deployment.engine_key()}
         with log_path.open("ab") as log:
             log.write(f"--- fleetplane: starting {replica.name}: {' '.join(command)}\n".encode())
             log.flush()
@@ -239,7 +302,8 @@ class LocalBackend:
         if not probe_health:
             return Observation(alive=True, healthy=True, message="process alive")
         try:
-            response = self.http.get(f"{replica.endpoint}/health", timeout=5.0)
+            response = self.http.get(f"{replica.endpoint}/health", timeout=5.0,
+                                     headers=vllm_http.auth(deployment.engine_key()))
         except httpx.HTTPError as exc:
             return Observation(alive=True, healthy=False, message=exc.__class__.__name__)
         return Observation(alive=True, healthy=response.status_code == 200,
@@ -249,7 +313,8 @@ class LocalBackend:
         vllm_http.warm_up(self.http, deployment, replica.endpoint)
 
     def in_flight(self, replica: Replica) -> int | None:
-        return vllm_http.in_flight(self.http, replica.endpoint)
+        return vllm_http.in_flight(self.http, replica.endpoint,
+                                   replica.deployment.engine_key())
 
     def stop(self, replica: Replica, *, force: bool) -> None:
         # The whole process group: vLLM's engine core runs in a child process.

@@ -13,12 +13,19 @@ if TYPE_CHECKING:
     from controlplane.models import Deployment
 
 
+def auth(key: str) -> dict[str, str]:
+    """The header every request to a replica carries: vLLM checks the key on /v1/* only,
+    but it is sent everywhere, so a server that checks more still answers."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def warm_up(http: httpx.Client, deployment: Deployment, endpoint: str) -> None:
     """One real request, so no user pays the first-request cost; raises on failure."""
     body = {"model": deployment.served_model_name(), "prompt": "Hello", "max_tokens": 1,
             "temperature": 0}
     try:
-        response = http.post(f"{endpoint}/v1/completions", json=body, timeout=120)
+        response = http.post(f"{endpoint}/v1/completions", json=body, timeout=120,
+                             headers=auth(deployment.upstream_key()))
     except httpx.HTTPError as exc:
         raise BackendError(f"warm-up request failed: {exc.__class__.__name__}") from None
     if response.status_code != 200:
@@ -26,12 +33,12 @@ def warm_up(http: httpx.Client, deployment: Deployment, endpoint: str) -> None:
                            f"{response.text[:300]}")
 
 
-def in_flight(http: httpx.Client, endpoint: str) -> int | None:
+def in_flight(http: httpx.Client, endpoint: str, key: str) -> int | None:
     """Requests the server is running or queueing, or None when it cannot be read."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        response = http.get(f"{endpoint}/metrics", timeout=3.0)
+        response = http.get(f"{endpoint}/metrics", timeout=3.0, headers=auth(key))
         response.raise_for_status()
     except httpx.HTTPError:
         return None

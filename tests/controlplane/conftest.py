@@ -5,6 +5,7 @@ import pytest
 from controlplane.backends.base import close_backends
 from tests.engines import fake_engines  # noqa: F401  (a fixture shared with tests/serving)
 from tests.k8s_emulator import EmulatedCluster
+from tests.serving.conftest import gateway_url  # noqa: F401  (the server in this process)
 
 
 @pytest.fixture

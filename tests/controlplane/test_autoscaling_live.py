@@ -32,7 +32,9 @@ LOGINS: dict[str, tuple[str, str]] = {}  # the plane's url -> the admin login it
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     base = tmp_path_factory.mktemp("autoscaling")
-    env = product_env(base / "data", RECONCILE_INTERVAL_SECONDS="0.3",
+    python = stand_in_python(base)
+    env = product_env(base / "data", LOCAL_BACKEND_PYTHONS=python,
+                      RECONCILE_INTERVAL_SECONDS="0.3",
                       HEALTH_CHECK_SECONDS="1", SCRAPE_INTERVAL="0.5", SCRAPE_TIMEOUT="0.4",
                       DRAIN_TIMEOUT_SECONDS="1", STOP_GRACE_SECONDS="2")
     manage(env, "migrate", "--noinput", "-v0")
@@ -47,7 +49,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     api = Api(f"http://127.0.0.1:{port}", key)
     LOGINS[api.url] = login_from(output)
     response = api.post("/api/v1/backends/", {"name": "fakes", "kind": "local", "config": {
-        "python": stand_in_python(base)}})
+        "python": python}})
     assert response.status_code == 201, response.text
     try:
         yield api

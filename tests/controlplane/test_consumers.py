@@ -222,6 +222,19 @@ async def test_an_answer_streams_token_by_token_with_its_figures(
     await communicator.disconnect()
 
 
+async def test_the_playground_reaches_a_replica_that_demands_its_key(
+        fake_engines: Callable[..., FakeEngine]) -> None:
+    engine = fake_engines("e1", key="the-engine-key")
+    publish("demo", [engine])
+    communicator, _, _ = await connect("/ws/playground/", await make_user())
+    await send(communicator, {"type": "generate", "id": "a", "deployment": "demo",
+                              "max_tokens": 3,
+                              "messages": [{"role": "user", "content": "Count."}]})
+    seen = await receive_until(communicator, "done")
+    assert "".join(m["text"] for m in seen if m["type"] == "token") == " tok" * 3
+    await communicator.disconnect()
+
+
 async def test_side_by_side_runs_two_deployments_at_once(
         fake_engines: Callable[..., FakeEngine]) -> None:
     from serving.routes import Pool, RouteReplica
@@ -332,3 +345,38 @@ async def test_a_dashboard_for_an_unknown_deployment_says_so_and_closes() -> Non
     message = await receive(communicator)
     assert message["type"] == "error" and "no deployment named 'nope'" in message["message"]
     assert (await communicator.receive_output(timeout=5))["code"] == 4404
+
+
+async def closed_with(communicator: WebsocketCommunicator, timeout: float = 5) -> int | None:
+    """Read what the socket still sends until it closes; the close code."""
+    while True:
+        answer = await communicator.receive_output(timeout)
+        if answer["type"] == "websocket.close":
+            return int(answer.get("code", 1000))
+
+
+async def test_a_demoted_users_playground_socket_closes_and_its_generation_stops(
+        fake_engines: Callable[..., FakeEngine]) -> None:
+    from access.roles import set_role
+
+    engine = fake_engines("e1", interval_ms=50)
+    publish("demo", [engine])
+    operator = await make_user("ed", staff=False, role="operator")
+    communicator, connected, _ = await connect("/ws/playground/", operator)
+    assert connected
+    await send(communicator, {"type": "generate", "id": "a", "deployment": "demo",
+                              "max_tokens": 500,
+                              "messages": [{"role": "user", "content": "go on"}]})
+    assert (await receive(communicator))["type"] == "started"
+    await sync_to_async(set_role)(operator, "viewer", actor="admin")
+    assert await closed_with(communicator) == 4403
+    assert await engine_saw_disconnect(engine)
+
+
+async def test_a_deactivated_users_dashboard_socket_closes() -> None:
+    viewer = await make_user("fay", staff=False, role="viewer")
+    communicator, connected, _ = await connect("/ws/dashboard/", viewer)
+    assert connected
+    viewer.is_active = False
+    await sync_to_async(viewer.save)()
+    assert await closed_with(communicator) == 4403

@@ -49,6 +49,15 @@ def test_the_kustomization_names_files_that_exist() -> None:
     assert "rbac-keda.yaml" not in kustomization["resources"]  # only where KEDA is used
 
 
+def test_the_inference_namespace_enforces_pod_security() -> None:
+    [inference] = [d for d in documents("namespaces.yaml")
+                   if d["metadata"]["name"] == "inference"]
+    labels = inference["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "baseline"
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+    assert labels["pod-security.kubernetes.io/audit"] == "restricted"
+
+
 def granted(name: str, role: str) -> set[tuple[str, str, str]]:
     [found] = [d for d in documents(name) if d["kind"] == "Role"
                and d["metadata"]["name"] == role]

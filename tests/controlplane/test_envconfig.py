@@ -5,9 +5,11 @@ import pytest
 from controlplane.envconfig import (
     SettingError,
     database_from_url,
+    env_absolute_paths,
     env_bool,
     env_choice,
     env_int,
+    env_labels,
     env_list,
 )
 
@@ -75,3 +77,24 @@ def test_sqlite_urls_take_relative_and_absolute_paths() -> None:
 def test_an_unusable_database_url_names_the_variable(url: str) -> None:
     with pytest.raises(SettingError, match="DATABASE_URL"):
         database_from_url("DATABASE_URL", url)
+
+
+@pytest.mark.parametrize("raw", ["models", "/mnt/../etc", "/ok,relative/path"])
+def test_an_allow_list_of_paths_takes_only_absolute_paths(monkeypatch: pytest.MonkeyPatch,
+                                                          raw: str) -> None:
+    monkeypatch.setenv("PATHS", raw)
+    with pytest.raises(SettingError, match="PATHS"):
+        env_absolute_paths("PATHS")
+
+
+def test_an_allow_list_of_paths_is_normalised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATHS", "/mnt/models/, /srv//weights")
+    assert env_absolute_paths("PATHS") == ["/mnt/models", "/srv/weights"]
+
+
+def test_labels_are_key_value_pairs_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LABELS", "app=prometheus, team=ops")
+    assert env_labels("LABELS") == {"app": "prometheus", "team": "ops"}
+    monkeypatch.setenv("LABELS", "app")
+    with pytest.raises(SettingError, match="LABELS"):
+        env_labels("LABELS")

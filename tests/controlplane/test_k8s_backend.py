@@ -231,7 +231,8 @@ def test_api_errors_show_back_off_and_converge(make: Callable[..., Deployment],
     failed = AuditEvent.objects.filter(action="apply-failed")
     assert failed.count() == 1
     reconciler.reconcile_all()  # within the backoff: not tried again
-    assert emulated.call(lambda: len(emulated.emulator["patch"])) == 1  # type: ignore[index]
+    # The engine key's Secret, then the refused Deployment; nothing more.
+    assert emulated.call(lambda: len(emulated.emulator["patch"])) == 2  # type: ignore[index]
 
     def applied() -> bool:
         deployment.refresh_from_db()

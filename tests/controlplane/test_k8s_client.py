@@ -40,7 +40,7 @@ def test_apply_creates_then_updates_every_object(cluster: Cluster, emulated: Emu
     assert emulated.stored("v1/services", "inference", "chat") is not None
     assert emulated.stored("policy/v1/poddisruptionbudgets", "inference", "chat") is not None
     deployment.replicas = 3
-    cluster.apply(render(deployment, CONFIG)[0])
+    cluster.apply(render(deployment, CONFIG)[1])  # the apps/v1 Deployment
     stored = emulated.stored("apps/v1/deployments", "inference", "chat")
     assert stored is not None and stored["spec"]["replicas"] == 3
 
@@ -55,8 +55,10 @@ def test_removal_takes_what_was_made_for_the_deployment_and_nothing_else(
                              "labels": {"app.kubernetes.io/instance": "chat"}},
                 "spec": {"ports": [{"port": 80}]}}
     cluster.apply(stranger)  # shares one label with the deployment's objects, not all
-    assert cluster.delete_owned(owner_labels(deployment)) == 3
+    assert cluster.delete_owned(owner_labels(deployment)) == 5
     assert emulated.stored("apps/v1/deployments", "inference", "chat") is None
+    assert emulated.stored("v1/secrets", "inference", "chat-engine-key") is None
+    assert emulated.stored("v1/secrets", "inference", "other-engine-key") is not None
     assert emulated.stored("apps/v1/deployments", "inference", "other") is not None
     assert emulated.stored("v1/services", "inference", "stranger") is not None
     assert cluster.delete_owned(owner_labels(deployment)) == 0  # again: nothing left
@@ -102,7 +104,7 @@ def test_api_errors_carry_the_servers_status_and_message(
 
     emulated.call(refuse)
     with pytest.raises(ClusterError) as caught:
-        cluster.apply(render(deployment, CONFIG)[0])
+        cluster.apply(render(deployment, CONFIG)[1])  # the apps/v1 Deployment
     assert caught.value.status == status
     assert str(caught.value) == f"HTTP {status}: applying Deployment chat: {message}"
 
@@ -110,7 +112,7 @@ def test_api_errors_carry_the_servers_status_and_message(
 def test_an_unreachable_api_server_is_named(deployment: Any) -> None:
     nowhere = Cluster(CONFIG, api_client(CONFIG, f"http://127.0.0.1:{free_port()}"))
     with pytest.raises(ClusterError) as caught:
-        nowhere.apply(render(deployment, CONFIG)[0])
+        nowhere.apply(render(deployment, CONFIG)[1])  # the apps/v1 Deployment
     assert caught.value.status == 0
     assert "the API server cannot be reached" in str(caught.value)
 

@@ -46,6 +46,7 @@ class ControlPlane:
     process: Any
     username: str
     password: str
+    inference_key: str
 
     def restart(self) -> None:
         self.process, _ = start_server(self.env, self.port)
@@ -64,11 +65,13 @@ def plane(tmp_path_factory: pytest.TempPathFactory,
            str(demo_model_folder))
     key = manage(env, "create_api_key", "--name", "tests", "--scope",
                  "admin").stdout.strip().splitlines()[-1]
+    inference_key = manage(env, "create_api_key", "--name", "app").stdout.strip(
+        ).splitlines()[-1]
     port = free_port()
     process, output = start_server(env, port)
     username, password = login_from(output)
     plane = ControlPlane(Api(f"http://127.0.0.1:{port}", key), env, port, process, username,
-                         password)
+                         password, inference_key)
     try:
         yield plane
     finally:
@@ -97,12 +100,19 @@ def ready_replicas(api: Api, count: int, deployment: str = "demo") -> list[dict[
                              READY_TIMEOUT))
 
 
-def complete(endpoint: str, tokens: int = 30) -> dict[str, Any]:
-    response = httpx.post(f"{endpoint}/v1/completions", timeout=120, json={
+def engine_key(replica: dict[str, Any]) -> str:
+    """The key a replica demands, read where only its own user can read it (the process's
+    environment): the API and the pages never show it."""
+    return str(psutil.Process(replica["pid"]).environ()["VLLM_API_KEY"])
+
+
+def complete(replica: dict[str, Any], tokens: int = 30, key: str = "") -> dict[str, Any]:
+    response = httpx.post(f"{replica['endpoint']}/v1/completions", timeout=120, json={
         "model": "demo", "prompt": "The capital of France is", "max_tokens": tokens,
         # Exactly `tokens` tokens, whatever the model says (an end-of-text token would stop
         # it early, and where it comes depends on the CPU's numerics).
-        "temperature": 0, "ignore_eos": True})
+        "temperature": 0, "ignore_eos": True},
+        headers={"Authorization": f"Bearer {key or engine_key(replica)}"})
     response.raise_for_status()
     return dict(response.json())
 
@@ -114,9 +124,10 @@ def test_a_deployment_becomes_a_ready_replica_that_answers(plane: ControlPlane) 
     assert response.status_code == 201, response.text
     [replica] = ready_replicas(plane.api, 1)
     assert replica["time_to_ready_seconds"] > 0
-    models = httpx.get(f"{replica['endpoint']}/v1/models", timeout=10).json()
+    models = httpx.get(f"{replica['endpoint']}/v1/models", timeout=10, headers={
+        "Authorization": f"Bearer {engine_key(replica)}"}).json()
     assert models["data"][0]["id"] == "demo"
-    answer = complete(replica["endpoint"])
+    answer = complete(replica)
     assert answer["usage"]["completion_tokens"] == 30
     deployment = plane.api.get("/api/v1/deployments/demo/")
     assert deployment["ready_replicas"] == 1
@@ -125,6 +136,32 @@ def test_a_deployment_becomes_a_ready_replica_that_answers(plane: ControlPlane) 
     assert any("vllm.entrypoints.openai.api_server" in line for line in logs)
     actions = [e["action"] for e in plane.api.get("/api/v1/deployments/demo/events/")]
     assert "replica-ready" in actions
+
+
+def test_a_replica_refuses_a_request_without_its_key_and_the_gateway_still_serves(
+    plane: ControlPlane,
+) -> None:
+    [replica] = ready_replicas(plane.api, 1)
+    body = {"model": "demo", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    refused = httpx.post(f"{replica['endpoint']}/v1/completions", json=body, timeout=30)
+    assert refused.status_code == 401
+    assert refused.json() == {"error": "Unauthorized"}
+    wrong = httpx.post(f"{replica['endpoint']}/v1/completions", json=body, timeout=30,
+                       headers={"Authorization": "Bearer not-the-key"})
+    assert wrong.status_code == 401
+    through = httpx.post(f"{plane.api.url}/v1/completions", json=body, timeout=120,
+                         headers={"Authorization": f"Bearer {plane.inference_key}"})
+    assert through.status_code == 200, through.text
+    assert through.json()["usage"]["completion_tokens"] == 3
+    # The key is nowhere a person with an admin key or the console sees it.
+    key = engine_key(replica)
+    for path in ("/api/v1/deployments/demo/", "/api/v1/deployments/demo/events/",
+                 f"/api/v1/replicas/{replica['name']}/",
+                 f"/api/v1/replicas/{replica['name']}/logs/"):
+        assert key not in httpx.get(f"{plane.api.url}{path}", timeout=10, headers={
+            "Authorization": f"Bearer {plane.api.key}"}).text, path
+    # Nor on the command line every local user can read.
+    assert not any(key in part for part in psutil.Process(replica["pid"]).cmdline())
 
 
 def test_the_deployment_page_shows_replicas_time_to_ready_logs_and_events(
@@ -146,13 +183,14 @@ def test_the_deployment_page_shows_replicas_time_to_ready_logs_and_events(
 
 def test_killing_a_replica_under_load_replaces_it(plane: ControlPlane) -> None:
     [replica] = replicas(plane.api)
+    key = engine_key(replica)  # read before the process is killed
     stop = threading.Event()
     outcomes: list[str] = []
 
     def load() -> None:
         while not stop.is_set():
             try:
-                complete(replica["endpoint"], tokens=64)
+                complete(replica, tokens=64, key=key)
                 outcomes.append("ok")
             except httpx.HTTPError:
                 outcomes.append("error")
@@ -175,7 +213,7 @@ def test_killing_a_replica_under_load_replaces_it(plane: ControlPlane) -> None:
             worker.join(timeout=130)
     assert again["pid"] != replica["pid"]
     assert "ok" in outcomes and "error" in outcomes
-    assert complete(again["endpoint"])["usage"]["completion_tokens"] == 30
+    assert complete(again)["usage"]["completion_tokens"] == 30
     events = plane.api.get("/api/v1/deployments/demo/events/")
     crash = next(e for e in events if e["action"] == "replica-crashed")
     assert "exited" in crash["message"]
@@ -187,7 +225,7 @@ def test_scaling_to_two_adds_a_second_ready_replica(plane: ControlPlane) -> None
     both = ready_replicas(plane.api, 2)
     assert len({r["endpoint"] for r in both}) == 2
     for replica in both:
-        assert complete(replica["endpoint"], tokens=5)["usage"]["completion_tokens"] == 5
+        assert complete(replica, tokens=5)["usage"]["completion_tokens"] == 5
 
 
 def test_a_killed_control_plane_leaves_replicas_serving_and_adopts_them(
@@ -197,7 +235,7 @@ def test_a_killed_control_plane_leaves_replicas_serving_and_adopts_them(
     plane.process.kill()
     plane.process.wait(timeout=15)
     for replica in before.values():
-        assert complete(replica["endpoint"], tokens=3)["usage"]["completion_tokens"] == 3
+        assert complete(replica, tokens=3)["usage"]["completion_tokens"] == 3
     plane.restart()
 
     def adoptions() -> list[dict[str, Any]] | None:

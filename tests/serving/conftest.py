@@ -19,7 +19,10 @@ def gateway_url() -> Iterator[str]:
 
     port = free_port()
     config = uvicorn.Config("controlplane.asgi:application", host="127.0.0.1", port=port,
-                            log_level="warning", lifespan="off", access_log=False)
+                            log_level="warning", lifespan="off", access_log=False,
+                            # As `manage.py serve`: forwarded headers are trusted only
+                            # through TRUSTED_PROXIES (serving/proxies.py).
+                            proxy_headers=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -47,7 +50,6 @@ def fresh_budgets() -> Iterator[None]:
     from serving.ratelimit import MemoryLimiter
 
     def reset() -> None:
-        gateway.auth_failures.clear()
         if isinstance(gateway.limiter, MemoryLimiter):
             gateway.limiter.buckets.clear()
         flush_redis_budgets()

@@ -33,7 +33,9 @@ def two_gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
 
     redis.Redis.from_url(REDIS).delete("fleetplane:routes")
     base = tmp_path_factory.mktemp("budget")
-    env = product_env(base / "data", REDIS_URL=REDIS, RECONCILE_INTERVAL_SECONDS="0.3",
+    python = stand_in_python(base)
+    env = product_env(base / "data", REDIS_URL=REDIS, LOCAL_BACKEND_PYTHONS=python,
+                      RECONCILE_INTERVAL_SECONDS="0.3",
                       HEALTH_CHECK_SECONDS="1", GATEWAY_LOAD_SCRAPE_SECONDS="0.2",
                       STOP_GRACE_SECONDS="2")
     manage(env, "migrate", "--noinput", "-v0")
@@ -49,7 +51,7 @@ def two_gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
     api = Api(f"http://127.0.0.1:{first_port}", admin)
     try:
         assert api.post("/api/v1/backends/", {"name": "fakes", "kind": "local", "config": {
-            "python": stand_in_python(base)}}).status_code == 201
+            "python": python}}).status_code == 201
         assert api.post("/api/v1/deployments/", {"name": "shared", "model": "fake",
                                                  "backend": "fakes", "replicas": 1}
                         ).status_code == 201

@@ -91,6 +91,9 @@ class Command(BaseCommand):
 
         config = uvicorn.Config("controlplane.asgi:application", host=host, port=port,
                                 log_level=log_level, lifespan="off", access_log=False,
+                                # X-Forwarded-For is believed only from TRUSTED_PROXIES, in
+                                # serving/proxies.py; uvicorn's own default trusts 127.0.0.1.
+                                proxy_headers=False,
                                 # Frames between WEBSOCKET_MAX_MESSAGE_BYTES and this get an
                                 # error message from the consumer; above it the socket closes.
                                 ws_max_size=4 * settings.WEBSOCKET_MAX_MESSAGE_BYTES)
