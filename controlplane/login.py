@@ -6,7 +6,8 @@ refuses further attempts, without checking the password, until its window ends: 
 password guesser gets a few tries a minute, whatever the password. A successful login
 clears its username's count (not its address's: one valid account must not buy more
 guesses at others). Counts live in Redis when REDIS_URL is set, so every process shares
-them; else in this process. The address is the connection's (REMOTE_ADDR).
+them; else in this process. The address is REMOTE_ADDR: the connection's, or behind
+TRUSTED_PROXIES the client address serving/proxies.py put into the ASGI scope.
 """
 
 from __future__ import annotations

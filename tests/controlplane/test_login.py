@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import redis
 from django.contrib.auth.models import User
@@ -110,3 +111,33 @@ def test_counts_in_redis_are_seen_by_every_process(settings: Any) -> None:
     other.failed("ada", "10.0.0.2")
     assert 55 <= one.wait_seconds("ada", "10.0.0.3") <= 60
     forget_redis_counts()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_behind_a_trusted_proxy_each_forwarded_client_is_counted_alone(
+        settings: Any, ada: User, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the ASGI application, as the server runs it: the proxy's own address is
+    not what is counted, the client it forwards for is (TRUSTED_PROXIES)."""
+    from controlplane.asgi import application
+
+    settings.TRUSTED_PROXIES = ["10.1.1.1"]
+    settings.LOGIN_FAILURES_PER_MINUTE = 3
+    settings.REDIS_URL = None
+    monkeypatch.setattr(login, "throttle", LoginThrottle())
+    transport = httpx.ASGITransport(app=application, client=("10.1.1.1", 40000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+        await client.get("/login/")
+        token = client.cookies["csrftoken"]
+
+        async def attempt_through_proxy(username: str, password: str,
+                                        forwarded_for: str) -> httpx.Response:
+            return await client.post("/login/", headers={"X-Forwarded-For": forwarded_for},
+                                     data={"username": username, "password": password,
+                                           "csrfmiddlewaretoken": token})
+
+        for name in ("root", "admin", "operator"):
+            await attempt_through_proxy(name, "guess", "203.0.113.5")
+        held = await attempt_through_proxy("ada", "correct-horse-battery", "203.0.113.5")
+        assert "Too many failed login attempts" in held.text
+        other = await attempt_through_proxy("ada", "correct-horse-battery", "203.0.113.6")
+        assert other.status_code == 302
