@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 setup:
 	@scripts/install.sh
 
+# The development run: DEBUG on (the settings' default is off), SQLite in data/, the
+# server on 127.0.0.1 only. DEBUG=false make run asks for the production settings instead.
+run: export DEBUG ?= true
 run: setup
 	@$(PY) manage.py migrate --noinput -v0
 	@$(PY) manage.py import_demo_model

@@ -38,9 +38,9 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=10)
     options = parser.parse_args()
     data = Path(tempfile.mkdtemp(prefix="collector-bench-"))
-    for name in ("DATABASE_URL", "REDIS_URL", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS"):
-        os.environ.pop(name, None)  # the embedded defaults: SQLite, in-memory channel layer
-    os.environ.update({"DATA_DIR": str(data), "LOG_LEVEL": "WARNING",
+    for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "ALLOWED_HOSTS"):
+        os.environ.pop(name, None)  # development defaults: SQLite, in-memory layer
+    os.environ.update({"DEBUG": "true", "DATA_DIR": str(data), "LOG_LEVEL": "WARNING",
                        "SCRAPE_INTERVAL": "2", "SCRAPE_TIMEOUT": "1.5"})
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
     import django

@@ -36,9 +36,9 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=5)
     options = parser.parse_args()
     data = Path(tempfile.mkdtemp(prefix="k8s-bench-"))
-    for name in ("DATABASE_URL", "REDIS_URL", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS"):
-        os.environ.pop(name, None)  # the embedded defaults: SQLite
-    os.environ.update({"DATA_DIR": str(data), "LOG_LEVEL": "WARNING",
+    for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "ALLOWED_HOSTS"):
+        os.environ.pop(name, None)  # the development run's defaults: SQLite
+    os.environ.update({"DEBUG": "true", "DATA_DIR": str(data), "LOG_LEVEL": "WARNING",
                        "DJANGO_SETTINGS_MODULE": "controlplane.settings"})
     import django
 

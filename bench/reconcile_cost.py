@@ -31,6 +31,7 @@ def main() -> None:
     # Health probes are paced (HEALTH_CHECK_SECONDS) apart from passes; this measures the
     # passes between probes, so the pace is set longer than the measurement.
     os.environ.update({"DATA_DIR": data, "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+                       "DEBUG": "true",
                        "LOG_LEVEL": "WARNING", "HEALTH_CHECK_SECONDS": "120"})
     os.environ.pop("DATABASE_URL", None)
     import django

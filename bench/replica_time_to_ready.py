@@ -25,6 +25,7 @@ def main() -> None:
 
     data = Path(tempfile.mkdtemp(prefix="ttr-bench-"))
     os.environ.update({"DATA_DIR": str(data), "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+                       "DEBUG": "true",
                        "LOG_LEVEL": "WARNING", "VLLM_CACHE_ROOT": str(data / "vllm-cache"),
                        "RECONCILE_INTERVAL_SECONDS": "0.2", "HEALTH_CHECK_SECONDS": "0.5"})
     os.environ.pop("DATABASE_URL", None)

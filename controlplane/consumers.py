@@ -108,7 +108,8 @@ class GuardedConsumer(AsyncWebsocketConsumer):
         if text_data is None:
             await self.error("send text frames holding a JSON object, not binary frames")
             return
-        if len(text_data) > limit or len(text_data.encode()) > limit:
+        # surrogatepass: a str holding lone surrogates is measured, then refused as not JSON.
+        if len(text_data) > limit or len(text_data.encode("utf-8", "surrogatepass")) > limit:
             await self.error(f"message over the limit of {limit} bytes")
             return
         if self.over_rate():

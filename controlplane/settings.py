@@ -1,8 +1,9 @@
 """One settings module: every knob comes from an environment variable.
 
-The embedded default (no variables set) runs on SQLite in DATA_DIR with the in-memory
-channel layer. Production (DEBUG=false) refuses to start without SECRET_KEY and
-ALLOWED_HOSTS. Every variable is listed in docs/configuration.md.
+DEBUG is off unless asked for. Off, the process refuses to start without SECRET_KEY,
+ALLOWED_HOSTS and PostgreSQL. The development run (`make run`, which sets DEBUG=true)
+runs on SQLite in DATA_DIR with the in-memory channel layer and needs nothing else.
+Every variable is listed in docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -35,13 +36,18 @@ django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
-DEBUG = env_bool("DEBUG", True)
+# Off unless asked for: a server started without settings must not show debug pages.
+# `make run` (the development run) sets DEBUG=true.
+DEBUG = env_bool("DEBUG", False)
 DATA_DIR = env_path("DATA_DIR", BASE_DIR / "data")
 MODELS_DIR = env_path("MODELS_DIR", DATA_DIR / "models")
 
 _secret = env_str("SECRET_KEY")
 if not DEBUG and not _secret:
-    raise SettingError("SECRET_KEY must be set when DEBUG is false")
+    raise SettingError("SECRET_KEY must be set when DEBUG is false (the default). "
+                       "In production set SECRET_KEY, ALLOWED_HOSTS and DATABASE_URL "
+                       "(docs/operations.md); for a development run on this machine set "
+                       "DEBUG=true, as `make run` does")
 if not DEBUG and len(_secret) < 50:
     raise SettingError("SECRET_KEY must be at least 50 characters when DEBUG is false")
 # The embedded default has no secret to keep across restarts beyond sessions; a fixed
@@ -52,6 +58,17 @@ ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"] if
 if not DEBUG and not ALLOWED_HOSTS:
     raise SettingError("ALLOWED_HOSTS must be set when DEBUG is false")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
+
+# --- Safe defaults (docs/security.md) ------------------------------------------------
+# Debug pages (DEBUG on) hide secret-looking settings and variables, and the credentials
+# in URLs such as DATABASE_URL and REDIS_URL.
+DEFAULT_EXCEPTION_REPORTER_FILTER = "controlplane.debug.CredentialHidingFilter"
+# /metrics answers only with `Authorization: Bearer <METRICS_TOKEN>` when it is set.
+METRICS_TOKEN = env_str("METRICS_TOKEN", "")
+# Failed logins (the login page and the admin's) counted per username and per client
+# address; at this many within a minute, further attempts are refused until the minute
+# has passed. 0 turns the limit off. Counts are kept in Redis when REDIS_URL is set.
+LOGIN_FAILURES_PER_MINUTE = env_int("LOGIN_FAILURES_PER_MINUTE", 5, minimum=0)
 
 INSTALLED_APPS = [
     "django.contrib.admin",

@@ -7,10 +7,14 @@ from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from controlplane import views
+from controlplane.login import ThrottledAdminAuthenticationForm
+
+# The admin's login page counts failures like the login page does.
+admin.site.login_form = ThrottledAdminAuthenticationForm
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="registry", permanent=False), name="home"),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", views.healthz, name="healthz"),
     path("models/", include("models_registry.urls")),

@@ -224,6 +224,11 @@ class Gateway:
             path, method = scope["path"], scope["method"]
             if path == "/v1/models" and method == "GET":
                 await self.list_models(scope, send, base_headers)
+            elif path.startswith("/v1/models/"):
+                if method != "GET":
+                    raise GatewayError(405, f"{path} takes GET", code="method_not_allowed")
+                await self.retrieve_model(scope, send, path.removeprefix("/v1/models/"),
+                                          base_headers)
             elif path in ENDPOINTS:
                 if method != "POST":
                     raise GatewayError(405, f"{path} takes POST", code="method_not_allowed")
@@ -279,19 +284,28 @@ class Gateway:
                           headers: list[tuple[bytes, bytes]]) -> None:
         key = await self.authenticate(scope)
         created = int(time.time())
-        data = []
-        for name, pool in sorted(routes.table.pools.items()):
-            if key.allows(name, pool.deployment, pool.served_model_name):
-                data.append({"id": name, "object": "model", "created": created,
-                             "owned_by": "fleetplane", "root": pool.served_model_name,
-                             "max_model_len": pool.max_model_len,
-                             "ready_replicas": len(pool.replicas)})
+        data = [model_object(name, pool, created)
+                for name, pool in sorted(routes.table.pools.items())
+                if key.allows(name, pool.deployment, pool.served_model_name)]
         await respond(send, 200, orjson.dumps({"object": "list", "data": data}), headers)
+
+    async def retrieve_model(self, scope: Scope, send: Send, name: str,
+                             headers: list[tuple[bytes, bytes]]) -> None:
+        """One model, as in the list. A model the key may not use gets the same 404 as
+        one that does not exist: a key learns nothing about models beyond its own."""
+        key = await self.authenticate(scope)
+        pool = routes.table.pool_for(name)
+        if pool is None or not key.allows(name, pool.deployment, pool.served_model_name):
+            raise GatewayError(404, f"The model `{name[:200]}` does not exist.",
+                               kind="not_found_error", param="model", code="model_not_found")
+        await respond(send, 200, orjson.dumps(model_object(name, pool, int(time.time()))),
+                      headers)
 
     async def read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = settings.GATEWAY_MAX_BODY_BYTES
         declared = header(scope, b"content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
+        # isdigit() alone takes "¹" (a latin-1 header byte) for a digit int() refuses.
+        if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise GatewayError(413, f"request body over the limit of {limit} bytes",
                                code="request_too_large")
         chunks, size = [], 0
@@ -633,6 +647,11 @@ class Gateway:
                                 request_id)
                     return
                 timing.first_byte = timing.last_chunk = time.perf_counter()
+                if not 200 <= status < 300:
+                    # Clients parse errors in OpenAI's shape; an engine or an external
+                    # endpoint may answer plain text ("404: Not Found") or another JSON.
+                    payload = upstream_error_body(status, payload)
+                    out_headers = [*headers, (b"content-type", b"application/json")]
                 await respond(send, status, payload, out_headers)
                 if status == 200:
                     with contextlib.suppress(orjson.JSONDecodeError):
@@ -842,6 +861,51 @@ def header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return str(value.decode("latin-1"))
     return None
+
+
+UPSTREAM_MESSAGE_CHARS = 1000
+
+
+def upstream_error_body(status: int, payload: bytes) -> bytes:
+    """An upstream error answer in OpenAI's shape: `{"error": {...}}` (vLLM's own, since
+    0.10) passes as it is; vLLM's older `{"object": "error", "message": ...}` and
+    FastAPI's `{"detail": ...}` are wrapped; anything else becomes the message, cut to a
+    readable length. The status is kept by the caller."""
+    try:
+        parsed = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            if isinstance(error.get("type"), str) and "param" in error and "code" in error:
+                return payload
+            return orjson.dumps({"error": {  # the fields a client reads, always there
+                **error, "type": error["type"] if isinstance(error.get("type"), str)
+                else "upstream_error", "param": error.get("param"),
+                "code": error.get("code")}})
+        if parsed.get("object") == "error" and isinstance(parsed.get("message"), str):
+            return orjson.dumps({"error": {
+                "message": parsed["message"][:UPSTREAM_MESSAGE_CHARS],
+                "type": str(parsed.get("type") or "upstream_error"),
+                "param": parsed.get("param") if isinstance(parsed.get("param"), str)
+                else None,
+                "code": parsed.get("code")}})
+        if isinstance(parsed.get("detail"), str):
+            payload = parsed["detail"].encode()
+    text = payload.decode("utf-8", "replace").strip()
+    if len(text) > UPSTREAM_MESSAGE_CHARS:
+        text = text[:UPSTREAM_MESSAGE_CHARS] + "…"
+    return orjson.dumps({"error": {
+        "message": text or f"the upstream answered HTTP {status} with no body",
+        "type": "upstream_error", "param": None, "code": "upstream_error"}})
+
+
+def model_object(name: str, pool: Pool, created: int) -> dict[str, Any]:
+    """A routable model name in OpenAI's model shape, with what a client may plan by."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "fleetplane",
+            "root": pool.served_model_name, "max_model_len": pool.max_model_len,
+            "ready_replicas": len(pool.replicas)}
 
 
 async def respond(send: Send, status: int, body: bytes,

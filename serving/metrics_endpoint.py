@@ -1,18 +1,49 @@
-"""/metrics: the control plane's own Prometheus metrics, in the text format."""
+"""/metrics: the control plane's own Prometheus metrics, in the text format.
+
+With METRICS_TOKEN set, only `Authorization: Bearer <METRICS_TOKEN>` is answered (the
+figures name models, deployments and replicas); without it, /metrics is open, for a
+scraper on the same private network.
+"""
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def authorized(scope: dict[str, Any]) -> bool:
+    token = str(settings.METRICS_TOKEN or "")
+    if not token:
+        return True
+    given = b""
+    for name, value in scope.get("headers") or ():
+        if name == b"authorization":
+            given = value
+    expected = b"Bearer " + token.encode()
+    return hmac.compare_digest(given, expected)
 
 
 async def metrics_application(scope: dict[str, Any],
                               receive: Callable[[], Awaitable[dict[str, Any]]],
-                              send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-    body = generate_latest()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
-                            (b"content-length", str(len(body)).encode())]})
+                              send: Send) -> None:
+    if not authorized(scope):
+        await answer(send, 401, b"send Authorization: Bearer <METRICS_TOKEN>\n",
+                     "text/plain; charset=utf-8",
+                     [(b"www-authenticate", b'Bearer realm="metrics"')])
+        return
+    await answer(send, 200, generate_latest(), CONTENT_TYPE_LATEST)
+
+
+async def answer(send: Send, status: int, body: bytes, content_type: str,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type.encode()),
+                            (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
     await send({"type": "http.response.body", "body": body})

@@ -28,9 +28,13 @@ def free_port() -> int:
 
 
 def product_env(data_dir: Path, **extra: str) -> dict[str, str]:
+    """The development run's environment, as `make run` sets it (DEBUG on, SQLite in
+    `data_dir`), with the product's own settings module; `extra` adds or overrides."""
     env = {key: value for key, value in os.environ.items()
-           if key not in {"DATABASE_URL", "REDIS_URL", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS"}}
-    env.update({"DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1", **extra})
+           if key not in {"DATABASE_URL", "REDIS_URL", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS",
+                          "DJANGO_SETTINGS_MODULE"}}
+    env.update({"DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1", "DEBUG": "true",
+                **extra})
     return env
 
 

@@ -109,7 +109,10 @@ def engine_key(replica: dict[str, Any]) -> str:
 def complete(replica: dict[str, Any], tokens: int = 30, key: str = "") -> dict[str, Any]:
     response = httpx.post(f"{replica['endpoint']}/v1/completions", timeout=120, json={
         "model": "demo", "prompt": "The capital of France is", "max_tokens": tokens,
-        "temperature": 0}, headers={"Authorization": f"Bearer {key or engine_key(replica)}"})
+        # Exactly `tokens` tokens, whatever the model says (an end-of-text token would stop
+        # it early, and where it comes depends on the CPU's numerics).
+        "temperature": 0, "ignore_eos": True},
+        headers={"Authorization": f"Bearer {key or engine_key(replica)}"})
     response.raise_for_status()
     return dict(response.json())
 

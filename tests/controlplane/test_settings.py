@@ -14,22 +14,42 @@ PRODUCTION_KEY = "k" * 20 + "-production-secret-key-for-the-deploy-check-0123456
 
 
 def manage(*args: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    # The product's own settings module and defaults, not the test suite's.
     environment = {key: value for key, value in os.environ.items()
                    if key not in {"DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "DATABASE_URL",
-                                  "REDIS_URL", "DATA_DIR"}}
+                                  "REDIS_URL", "DATA_DIR", "DJANGO_SETTINGS_MODULE",
+                                  "METRICS_TOKEN", "LOGIN_FAILURES_PER_MINUTE"}}
     environment.update({"DATA_DIR": str(tmp_path / "data"), **env})
     return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=environment,
                           capture_output=True, text=True, timeout=120)
 
 
-def test_the_embedded_default_needs_no_variables(tmp_path: Path) -> None:
-    result = manage("check", tmp_path=tmp_path)
+def test_the_development_run_needs_only_debug_on(tmp_path: Path) -> None:
+    result = manage("check", tmp_path=tmp_path, DEBUG="true")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "data").is_dir()
 
 
+def test_without_variables_debug_is_off_and_production_settings_are_asked_for(
+        tmp_path: Path) -> None:
+    result = manage("check", tmp_path=tmp_path)
+    assert result.returncode == 2
+    assert "SECRET_KEY must be set when DEBUG is false (the default)" in result.stderr
+    assert "set DEBUG=true, as `make run` does" in result.stderr
+
+
+def test_without_a_debug_variable_no_debug_page_is_shown(tmp_path: Path) -> None:
+    page = ("from django.test import Client; "
+            "r = Client().get('/no-such-page/', HTTP_HOST='fleet.example', secure=True); "
+            "print(r.status_code, b'URLconf' in r.content, b'Traceback' in r.content)")
+    result = manage("shell", "-c", page, tmp_path=tmp_path, SECRET_KEY=PRODUCTION_KEY,
+                    ALLOWED_HOSTS="fleet.example", ALLOW_SQLITE_IN_PRODUCTION="true")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1].split() == ["404", "False", "False"]
+
+
 def test_a_bad_value_stops_start_up_naming_the_variable(tmp_path: Path) -> None:
-    result = manage("check", tmp_path=tmp_path, PORT="http")
+    result = manage("check", tmp_path=tmp_path, DEBUG="true", PORT="http")
     assert result.returncode == 2
     assert "configuration error: PORT='http' is not an integer" in result.stderr
     assert "Traceback" not in result.stderr

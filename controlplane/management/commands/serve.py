@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -10,6 +12,21 @@ from django.core.management.base import BaseCommand, CommandParser
 
 from controlplane.services import ensure_local_admin
 from models_registry.services import recover_interrupted_imports
+
+INITIAL_PASSWORD_FILE = "initial-admin-password"
+
+
+def write_owner_only(path: Path, text: str) -> Path:
+    """Write `text` to a file that only this user may read (mode 0600, also when the file
+    was there before)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(descriptor, 0o600)
+        os.write(descriptor, (text + "\n").encode())
+    finally:
+        os.close(descriptor)
+    return path
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
@@ -47,7 +64,14 @@ class Command(BaseCommand):
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         url = f"http://{shown_host}:{port}/"
         self.stdout.write(f"\nFleetplane is starting on {url}")
-        if password:
+        if password and not settings.DEBUG:
+            # Production logs are collected and kept: the password goes into a file only
+            # this user can read, and the log says where.
+            path = write_owner_only(Path(settings.DATA_DIR) / INITIAL_PASSWORD_FILE, password)
+            self.stdout.write(f"Log in as {username!r} with the password in {path} (readable "
+                              f"by this user only).\nChange it with: python manage.py "
+                              f"changepassword {username}, then delete the file.")
+        elif password:
             self.stdout.write(f"Log in as {username!r} with password {password!r}.\n"
                               f"This password is shown only now and stored hashed; change it "
                               f"with: python manage.py changepassword {username}")
