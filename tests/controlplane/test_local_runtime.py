@@ -58,7 +58,8 @@ def plane(tmp_path_factory: pytest.TempPathFactory,
     env = product_env(data, RECONCILE_INTERVAL_SECONDS="0.5", HEALTH_CHECK_SECONDS="1",
                       RESTART_BACKOFF_BASE_SECONDS="1", RESTART_BACKOFF_MAX_SECONDS="8",
                       DRAIN_TIMEOUT_SECONDS="5", STOP_GRACE_SECONDS="5",
-                      LOCAL_KV_CACHE_GIB="1")
+                      LOCAL_KV_CACHE_GIB="1",
+                      MODEL_IMPORT_ROOTS=str(demo_model_folder.parent))
     manage(env, "migrate", "--noinput", "-v0")
     manage(env, "register_model", "smollm2", "--source", "local", "--path",
            str(demo_model_folder))
