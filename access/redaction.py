@@ -137,4 +137,25 @@ def keep_redacted(new: Any, old: Any, shown: Any = _UNSET) -> Any:
     if (isinstance(new, list) and isinstance(old, list) and isinstance(shown, list)
             and len(new) == len(old) == len(shown)):
         return [keep_redacted(item, old[i], shown[i]) for i, item in enumerate(new)]
+    if isinstance(new, str) and isinstance(old, str) and MASK in new and "://" in new:
+        return _unmask_url(new, old)
     return new
+
+
+def _unmask_url(new: str, old: str) -> str:
+    """A URL edited from its masked form (another host, the same user): the masked password
+    and query values are the stored ones."""
+    try:
+        new_parts, old_parts = urlsplit(new), urlsplit(old)
+    except ValueError:
+        return new
+    netloc = new_parts.netloc
+    if new_parts.password == MASK and old_parts.password is not None:
+        userinfo, _, host = netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}:{old_parts.password}@{host}"
+    query = new_parts.query
+    if MASK in query:
+        stored = dict(parse_qsl(old_parts.query, keep_blank_values=True))
+        query = urlencode([(name, stored.get(name, value) if value == MASK else value)
+                           for name, value in parse_qsl(query, keep_blank_values=True)])
+    return urlunsplit((new_parts.scheme, netloc, new_parts.path, query, new_parts.fragment))

@@ -118,6 +118,11 @@ class DeploymentSerializer(StrictJSON, serializers.ModelSerializer):
         read_only_fields = ["state", "generation", "observed_generation", "conditions",
                             "deleting", "created_at", "updated_at"]
 
+    def to_representation(self, instance: Deployment) -> dict[str, Any]:
+        data = super().to_representation(instance)
+        data["conditions"] = redact(data["conditions"])  # they quote replicas' errors
+        return data
+
     def get_ready_replicas(self, deployment: Deployment) -> int:
         return sum(1 for r in deployment.replica_set.all() if r.phase == Replica.Phase.READY)
 
@@ -146,3 +151,8 @@ class AuditEventSerializer(serializers.ModelSerializer):
         fields = ["at", "actor", "action", "deployment", "replica_name", "message", "before",
                   "after"]
         read_only_fields = fields
+
+    def to_representation(self, instance: AuditEvent) -> dict[str, Any]:
+        # Entries are redacted when written; this covers those written before that was so.
+        data = super().to_representation(instance)
+        return {**data, **{name: redact(data[name]) for name in ("message", "before", "after")}}
