@@ -26,6 +26,24 @@ ACCEPTED: list[tuple[type[serializers.Field], tuple[type, ...], str]] = [
 ]
 
 
+def unstorable_text(value: Any) -> bool:
+    """Text no database here can store: a NUL character (PostgreSQL refuses it in text and
+    JSON) or half of a surrogate pair (not UTF-8 at all), anywhere in a value."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return True
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(unstorable_text(key) or unstorable_text(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(unstorable_text(item) for item in value)
+    return False
+
+
 def type_error(field: serializers.Field, value: Any) -> str | None:
     if value is None:
         return None  # the field's own allow_null decides
@@ -49,6 +67,8 @@ class StrictJSON(serializers.Serializer):
             if field.read_only or field.field_name not in data:
                 continue
             problem = type_error(field, data[field.field_name])
+            if problem is None and unstorable_text(data[field.field_name]):
+                problem = "text may not hold NUL characters or unpaired surrogates"
             if problem:
                 errors[name] = [problem]
         if errors:

@@ -14,6 +14,8 @@ from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 
+from access.strict_json import unstorable_text
+
 # Past this an offset is no page anyone reads, and SQLite cannot hold it (a 500 otherwise).
 MAX_OFFSET = 2**31 - 1
 
@@ -27,6 +29,8 @@ def single_param(request: Request, name: str) -> str | None:
     values = request.query_params.getlist(name)
     if len(values) > 1:
         raise serializers.ValidationError({name: ["give it once"]})
+    if values and unstorable_text(values[0]):
+        raise serializers.ValidationError({name: ["may not hold NUL characters"]})
     return values[0] if values else None
 
 

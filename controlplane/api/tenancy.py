@@ -79,6 +79,7 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
 
     serializer_class = ApiKeySerializer
     queryset = ApiKey.objects.select_related("team", "user")
+    lookup_value_regex = "[0-9]+"
     read_role = write_role = "admin"
 
     @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeySerializer})
@@ -125,6 +126,7 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Creat
     serializer_class = TeamSerializer
     queryset = Team.objects.all()
     lookup_field = "name"
+    lookup_value_regex = "[^/\x00]+"
     read_role = write_role = "admin"
     http_method_names = ["get", "post", "patch", "head", "options"]
 

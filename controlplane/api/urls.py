@@ -21,4 +21,4 @@ router.register("keys", ApiKeyViewSet, basename="key")
 router.register("teams", TeamViewSet, basename="team")
 router.register("users", UserViewSet, basename="user")
 # Last: included after the registry's routes, so it only catches what no route matched.
-urlpatterns = [*router.urls, re_path(r"^.*$", not_found)]
+urlpatterns = [*router.urls, re_path(r"^[\s\S]*$", not_found)]

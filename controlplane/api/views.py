@@ -35,6 +35,10 @@ from controlplane.backends.base import backend_for
 from controlplane.models import AuditEvent, Backend, Deployment, Replica
 
 MAX_LOG_LINES = 5000
+# Names in paths: what a name may hold, so a NUL never reaches a query (PostgreSQL refuses
+# it with an error, not an empty answer); anything else is the JSON 404 of urls.py.
+DNS_NAME = "[-a-z0-9]+"
+ANY_NAME = "[^/.\x00]+"
 
 
 class LogTailSerializer(serializers.Serializer):
@@ -50,6 +54,7 @@ class BackendViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
     queryset = Backend.objects.all()
     serializer_class = BackendSerializer
     lookup_field = "name"
+    lookup_value_regex = DNS_NAME
     read_role, write_role = "operator", "admin"
     http_method_names = ["get", "post", "patch", "head", "options"]
 
@@ -75,6 +80,7 @@ class DeploymentViewSet(viewsets.ModelViewSet):
 
     serializer_class = DeploymentSerializer
     lookup_field = "name"
+    lookup_value_regex = DNS_NAME
     http_method_names = ["get", "post", "patch", "delete", "head", "options"]
 
     def get_queryset(self) -> QuerySet[Deployment]:
@@ -155,6 +161,7 @@ class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
 
     serializer_class = ReplicaSerializer
     lookup_field = "name"
+    lookup_value_regex = ANY_NAME
     action_roles = {"logs": "operator"}
 
     def get_queryset(self) -> QuerySet[Replica]:
@@ -216,6 +223,7 @@ class EventViewSet(viewsets.ReadOnlyModelViewSet):
 
     serializer_class = AuditEventSerializer
     read_role = "admin"
+    lookup_value_regex = "[0-9]+"
 
     def get_queryset(self) -> QuerySet[AuditEvent]:
         queryset = AuditEvent.objects.select_related("deployment")
