@@ -17,8 +17,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 MASK = "***"
 
-SECRET_NAME = re.compile(r"key|token|secret|passw|pwd|auth|credential|cookie|signature",
-                         re.IGNORECASE)
+# "tokenizer" (a model's, e.g. --tokenizer-mode) and "tokens" (counts) are no secrets.
+SECRET_NAME = re.compile(r"key|token(?!izer|s)|secret|passw|pwd|auth|credential|cookie|"
+                         r"signature", re.IGNORECASE)
 # Settings that name a Kubernetes Secret rather than hold one: the name is no secret and
 # an operator needs to see which Secret a backend uses.
 SECRET_REFERENCES = frozenset({"hf_token_secret", "image_pull_secrets"})

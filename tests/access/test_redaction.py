@@ -31,8 +31,10 @@ def test_urls_keep_their_user_and_host_and_lose_their_password_and_tokens() -> N
 
 
 def test_secret_flags_on_a_command_line_lose_their_values() -> None:
-    assert redact({"extra_args": ["--api-key", "k", "--seed", "3", "--hf-token=t"]}) == {
-        "extra_args": ["--api-key", "***", "--seed", "3", "--hf-token=***"]}
+    assert redact({"extra_args": ["--api-key", "k", "--seed", "3", "--hf-token=t",
+                                  "--tokenizer-mode", "slow"]}) == {
+        "extra_args": ["--api-key", "***", "--seed", "3", "--hf-token=***",
+                       "--tokenizer-mode", "slow"]}
 
 
 def test_a_value_sent_back_masked_is_the_stored_one() -> None:
