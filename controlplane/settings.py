@@ -178,6 +178,7 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     # Bodies are documented as JSON, the one form clients of this API send.
     "PARSER_WHITELIST": ["rest_framework.parsers.JSONParser"],
+    "ENUM_NAME_OVERRIDES": {"UserRoleEnum": "access.roles.USER_ROLE_CHOICES"},
 }
 
 # Model registry: whether importers may contact the Hugging Face Hub for metadata.

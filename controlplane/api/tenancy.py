@@ -14,7 +14,7 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from access.roles import ROLES, actor_of, create_user, role_of, set_role
+from access.roles import USER_ROLE_CHOICES, actor_of, create_user, role_of, set_role
 from access.strict_json import StrictJSON
 from serving import services
 from serving.models import ApiKey, Team
@@ -147,7 +147,7 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Creat
 
 class UserSerializer(StrictJSON, serializers.Serializer):
     username = serializers.RegexField(r"^[\w.@+-]{1,150}$")
-    role = serializers.ChoiceField(choices=[*ROLES, "none"], default="viewer")
+    role = serializers.ChoiceField(choices=USER_ROLE_CHOICES, default="viewer")
     password = serializers.CharField(write_only=True, required=False, min_length=8,
                                      max_length=128)
     is_active = serializers.BooleanField(default=True)
