@@ -187,8 +187,7 @@ HF_ENDPOINT = env_str("HF_ENDPOINT", "https://huggingface.co")
 HUB_TIMEOUT_SECONDS = env_int("HUB_TIMEOUT_SECONDS", 10, minimum=1, maximum=300)
 
 # REST API input bounds and model import roots (docs/security.md).
-# The most rows one list request returns (`?limit=` above it is cut to it), and the most
-# lines, events or points any other `limit`/`lines` query may ask for.
+# The most rows one list request returns (`?limit=` above it is cut to it).
 API_MAX_PAGE_SIZE = env_int("API_MAX_PAGE_SIZE", 500, minimum=1, maximum=100_000)
 # Folders a local model path may be registered from (symlinks and ".." resolved first).
 # Empty: MODELS_DIR and DATA_DIR/models.
