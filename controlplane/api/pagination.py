@@ -39,7 +39,7 @@ def count_param(request: Request, name: str, default: int, *, minimum: int,
     """A whole-number query parameter: `default` when absent, a 400 naming it when it is not
     a whole number from `minimum` (and up to `maximum` unless `clamp` cuts it there)."""
     raw = single_param(request, name)
-    if raw is None or raw == "":
+    if raw is None:
         return default
     try:
         value = int(raw.strip(), 10)
