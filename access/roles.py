@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # rest_framework.views imports this module through the API se
     from rest_framework.views import APIView
 
 ROLES = ("viewer", "operator", "admin")
+# A user's role as the API gives and takes it ("none": no role).
+USER_ROLE_CHOICES = (*ROLES, "none")
 
 
 def role_of(user: Any) -> str | None:

@@ -42,7 +42,7 @@ def main() -> None:
     from models_registry.services import ModelSpec, register_model
 
     call_command("migrate", verbosity=0)
-    folder = data / "demo"
+    folder = data / "models" / "demo"  # under DATA_DIR/models: an import root
     convert_gguf(demo_gguf_path(), folder, lambda percent, stage: None)
     model = register_model(ModelSpec(name="smollm2", source="local", uri=str(folder)))
     engine_args: dict[str, object] = {"max_model_len": 2048}

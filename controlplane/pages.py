@@ -13,6 +13,7 @@ from django.urls import path
 from django.views.decorators.http import require_POST
 from rest_framework.exceptions import ValidationError
 
+from access.redaction import redact
 from access.roles import has_role, role_required
 from controlplane import services
 from controlplane.forms import DeploymentForm, ScaleForm
@@ -62,7 +63,14 @@ def deployment_detail(request: HttpRequest, name: str) -> HttpResponse:
     deployment = get_object_or_404(Deployment.objects.select_related("model", "backend"),
                                    name=name)
     replicas = list(Replica.objects.filter(deployment=deployment))
-    events = AuditEvent.objects.filter(deployment=deployment)[:50]
+    events = list(AuditEvent.objects.filter(deployment=deployment)[:50])
+    # Shown, never saved: an external endpoint's URL and an error may carry credentials.
+    for replica in replicas:
+        replica.endpoint, replica.last_error = (redact(replica.endpoint),
+                                                redact(replica.last_error))
+    for event in events:
+        event.message = redact(event.message)
+    deployment.conditions = redact(deployment.conditions)
     return render(request, "controlplane/deployment_detail.html", {
         "deployment": deployment, "replicas": replicas, "events": events,
         "scale_form": ScaleForm(initial={"replicas": deployment.replicas}),

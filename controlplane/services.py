@@ -14,6 +14,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
+from access.redaction import keep_redacted, redact
 from controlplane.backends.base import validate_backend_config
 from controlplane.controllers import request_reconcile
 from controlplane.engine_args import engine_args_misfit, validate_engine_args
@@ -32,6 +33,10 @@ class DeploymentError(ValueError):
         self.message = message
 
 
+class NameTakenError(DeploymentError):
+    """The name is already used by another record (a conflict, not bad input)."""
+
+
 @transaction.atomic
 def ensure_local_admin() -> tuple[str, str | None]:
     """Make sure someone can log in. Creates the local admin on first start with a
@@ -48,10 +53,11 @@ def ensure_local_admin() -> tuple[str, str | None]:
 
 def audit(actor: str, action: str, deployment: Deployment | None, message: str,
           before: Any = None, after: Any = None, *, replica: str = "") -> None:
-    """Record who changed what, or what a controller did and saw."""
+    """Record who changed what, or what a controller did and saw. Secrets never reach the
+    log: every value passes through redaction (access/redaction.py) on the way in."""
     AuditEvent.objects.create(actor=actor, action=action, deployment=deployment,
-                              replica_name=replica, message=message, before=before,
-                              after=after)
+                              replica_name=replica, message=redact(message),
+                              before=redact(before), after=redact(after))
 
 
 def spec_of(deployment: Deployment) -> dict[str, Any]:
@@ -65,16 +71,28 @@ def spec_of(deployment: Deployment) -> dict[str, Any]:
 @transaction.atomic
 def create_backend(name: str, kind: str, config: dict[str, Any], *, actor: str) -> Backend:
     if Backend.objects.filter(name=name).exists():
-        raise DeploymentError("name", f"a backend named {name!r} already exists")
+        raise NameTakenError("name", f"a backend named {name!r} already exists")
     backend = Backend.objects.create(name=name, kind=kind,
                                      config=validate_backend_config(kind, config))
     audit(actor, "backend-created", None, f"backend {name} ({kind}) created",
-          after={"kind": kind, "config": redact(backend.config)})
+          after={"kind": kind, "config": backend.config})
     return backend
 
 
-def redact(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: ("***" if k in {"api_key", "token"} and v else v) for k, v in config.items()}
+@transaction.atomic
+def update_backend(backend: Backend, config: dict[str, Any], *, actor: str) -> Backend:
+    """Replace a backend's settings. A secret sent back as it was shown (`***`) keeps its
+    stored value: a client may read a config, change one setting and send it all back."""
+    backend = Backend.objects.select_for_update().get(pk=backend.pk)
+    before = backend.config
+    config = validate_backend_config(backend.kind, keep_redacted(config, before))
+    if config != before:
+        backend.config = config
+        backend.save(update_fields=["config"])
+        audit(actor, "backend-changed", None, f"backend {backend.name} changed",
+              before={"config": before}, after={"config": config})
+        transaction.on_commit(request_reconcile)
+    return backend
 
 
 def check_counts(replicas: int, min_replicas: int, max_replicas: int) -> None:
@@ -179,7 +197,7 @@ def check_names(name: str, served: str, aliases: list[str], exclude: int | None 
 @transaction.atomic
 def create_deployment(spec: DeploymentSpec, *, actor: str) -> Deployment:
     if Deployment.objects.filter(name=spec.name).exists():
-        raise DeploymentError("name", f"a deployment named {spec.name!r} already exists")
+        raise NameTakenError("name", f"a deployment named {spec.name!r} already exists")
     engine_args = validate_engine_args(spec.engine_args)
     check_model(spec.model, engine_args, spec.backend)
     check_counts(spec.replicas, spec.min_replicas, spec.max_replicas)

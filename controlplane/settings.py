@@ -180,9 +180,9 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["access.roles.RolePermission"],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "controlplane.api.schema.ApiSchema",
     "EXCEPTION_HANDLER": "controlplane.api.errors.exception_handler",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "controlplane.api.pagination.Page",
     "PAGE_SIZE": 100,
     "UNAUTHENTICATED_USER": None,
 }
@@ -196,12 +196,22 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # Bodies are documented as JSON, the one form clients of this API send.
+    "PARSER_WHITELIST": ["rest_framework.parsers.JSONParser"],
+    "ENUM_NAME_OVERRIDES": {"UserRoleEnum": "access.roles.USER_ROLE_CHOICES"},
 }
 
 # Model registry: whether importers may contact the Hugging Face Hub for metadata.
 HUB_ACCESS = env_bool("HUB_ACCESS", False)
 HF_ENDPOINT = env_str("HF_ENDPOINT", "https://huggingface.co")
 HUB_TIMEOUT_SECONDS = env_int("HUB_TIMEOUT_SECONDS", 10, minimum=1, maximum=300)
+
+# REST API input bounds and model import roots (docs/security.md).
+# The most rows one list request returns (`?limit=` above it is cut to it).
+API_MAX_PAGE_SIZE = env_int("API_MAX_PAGE_SIZE", 500, minimum=1, maximum=100_000)
+# Folders a local model path may be registered from (symlinks and ".." resolved first).
+# Empty: MODELS_DIR and DATA_DIR/models.
+MODEL_IMPORT_ROOTS = [Path(root) for root in env_list("MODEL_IMPORT_ROOTS")]
 
 # Controllers: the reconciler and the replicas it keeps running.
 RECONCILE_INTERVAL_SECONDS = env_float("RECONCILE_INTERVAL_SECONDS", 1.0, minimum=0.05,

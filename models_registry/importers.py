@@ -16,7 +16,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,26 @@ class ModelFacts:
             "size_bytes": self.size_bytes,
             "has_chat_template": self.has_chat_template,
         }
+
+
+def check_import_path(raw: str, roots: Sequence[Path], field: str = "path") -> Path:
+    """The path, with symlinks and ".." resolved, if it lies under one of `roots`.
+
+    A path outside every root gets one message whatever it names, so the answer tells
+    nobody whether a file exists there (the registry is not a probe of the server's disks).
+    """
+    if not raw.strip():
+        raise ModelSourceError(field, "a path is required")
+    resolved_roots = [Path(root).expanduser().resolve() for root in roots]
+    try:
+        resolved = Path(raw).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
+        resolved = None
+    if resolved is not None and any(resolved.is_relative_to(root) for root in resolved_roots):
+        return resolved
+    raise ModelSourceError(field, "the path must lie under one of the model import roots ("
+                           + ", ".join(str(root) for root in resolved_roots)
+                           + "); set MODEL_IMPORT_ROOTS to allow others")
 
 
 # --- Hugging Face folders -------------------------------------------------------------

@@ -7,6 +7,7 @@ folder.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import shutil
@@ -44,6 +45,10 @@ class ModelSpec:
     license: str = ""
 
 
+class ModelNameTaken(ModelSourceError):
+    """Another model has that name (a conflict, not bad input)."""
+
+
 def models_dir() -> Path:
     path = Path(settings.MODELS_DIR)
     path.mkdir(parents=True, exist_ok=True)
@@ -61,14 +66,31 @@ def validate_name(name: str) -> None:
             f"hyphens, starting and ending with a letter or digit"
         )
     if Model.objects.filter(name=name).exists():
-        raise ModelSourceError("name", f"a model named {name!r} already exists")
+        raise ModelNameTaken("name", f"a model named {name!r} already exists")
+
+
+def import_roots() -> list[Path]:
+    """Where local paths may be registered from: MODEL_IMPORT_ROOTS, or by default the
+    registry's own folders (read at call time, so a changed MODELS_DIR counts)."""
+    configured = getattr(settings, "MODEL_IMPORT_ROOTS", None)
+    if configured:
+        return [Path(root) for root in configured]
+    return [Path(settings.MODELS_DIR), Path(settings.DATA_DIR) / "models"]
 
 
 def register_model(spec: ModelSpec, *, import_in_background: bool = True,
-                   actor: str = "system") -> Model:
+                   actor: str = "system", trusted_path: bool = False) -> Model:
     """Register a model. Local folders are ready at once; GGUF files are converted (in a
     background thread unless told otherwise); Hugging Face ids are recorded. The audit
-    log records who registered it."""
+    log records who registered it.
+
+    A local path must lie under the import roots (import_roots()); `trusted_path` is for
+    paths the program chose itself (the demo model inside its installed package), never
+    for a path a person typed."""
+    if spec.source in (Model.Source.LOCAL, Model.Source.GGUF) and not trusted_path:
+        validate_name(spec.name)
+        spec = dataclasses.replace(
+            spec, uri=str(importers.check_import_path(spec.uri, import_roots())))
     model = _register(spec, import_in_background)
     signals.record(actor, "model-registered", f"model {model.name} registered ({model.source})",
                    after=model_summary(model))

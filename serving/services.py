@@ -26,6 +26,14 @@ class KeyRequestError(ValueError):
         self.field = field
 
 
+class TeamNameTaken(KeyRequestError):
+    """Another team has that name (a conflict, not bad input)."""
+
+
+# Limits are stored as 32-bit integers.
+MAX_LIMIT = 2**31 - 1
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
@@ -44,9 +52,9 @@ def key_summary(record: ApiKey) -> dict[str, Any]:
 def _limit(field: str, value: Any) -> int | None:
     if value is None or value == "":
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise KeyRequestError(field, f"{field} must be a whole number of at least 1 (or empty "
-                               f"for no limit)")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+        raise KeyRequestError(field, f"{field} must be a whole number from 1 to {MAX_LIMIT} "
+                                     f"(or empty for no limit)")
     return value
 
 
@@ -111,7 +119,7 @@ def create_team(name: str, *, rpm: int | None = None, tpm: int | None = None,
     if not isinstance(name, str) or not name.strip() or len(name.strip()) > 100:
         raise KeyRequestError("name", "a team needs a name of at most 100 characters")
     if Team.objects.filter(name=name.strip()).exists():
-        raise KeyRequestError("name", f"a team named {name.strip()!r} already exists")
+        raise TeamNameTaken("name", f"a team named {name.strip()!r} already exists")
     team = Team.objects.create(name=name.strip(), rpm_limit=_limit("rpm", rpm),
                                tpm_limit=_limit("tpm", tpm))
     signals.record(actor, "team-created", f"team {team.name} created",

@@ -1,4 +1,5 @@
-"""Maps domain errors to HTTP answers once, for every API view."""
+"""Maps domain errors to HTTP answers once, for every API view: bad input is a 400 naming
+each field, a name already taken or a record still in use is a 409 (`{"detail": ...}`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from access.roles import UserExists
 from controlplane.backends.base import BackendConfigError
-from controlplane.services import DeploymentError
+from controlplane.services import DeploymentError, NameTakenError
 from models_registry.capacity_report import CapacityUnknownError
 from models_registry.importers import ModelSourceError
-from models_registry.services import ModelConflictError
-from serving.services import KeyRequestError
+from models_registry.services import ModelConflictError, ModelNameTaken
+from serving.services import KeyRequestError, TeamNameTaken
 
 
 class Conflict(exceptions.APIException):
@@ -23,7 +25,9 @@ class Conflict(exceptions.APIException):
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
-    if isinstance(exc, ModelSourceError):
+    if isinstance(exc, NameTakenError | TeamNameTaken | ModelNameTaken | UserExists):
+        exc = Conflict(getattr(exc, "message", None) or str(exc))
+    elif isinstance(exc, ModelSourceError):
         exc = exceptions.ValidationError({exc.field: [exc.message]})
     elif isinstance(exc, KeyRequestError):
         exc = exceptions.ValidationError({exc.field: [str(exc)]})

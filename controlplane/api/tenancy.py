@@ -14,19 +14,22 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from access.roles import ROLES, UserExists, actor_of, create_user, role_of, set_role
+from access.roles import USER_ROLE_CHOICES, actor_of, create_user, role_of, set_role
+from access.strict_json import StrictJSON
 from serving import services
 from serving.models import ApiKey, Team
+from serving.priority import classes
+from serving.services import MAX_LIMIT
 
 
 class ApiKeySerializer(serializers.ModelSerializer):
     team: serializers.SlugRelatedField[Team] = serializers.SlugRelatedField(
-        slug_field="name", read_only=True)
+        slug_field="name", read_only=True, allow_null=True)
     user: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
-        slug_field="username", read_only=True)
+        slug_field="username", read_only=True, allow_null=True)
     models = serializers.ListField(source="allowed_models", read_only=True)
-    rpm = serializers.IntegerField(source="rpm_limit", read_only=True)
-    tpm = serializers.IntegerField(source="tpm_limit", read_only=True)
+    rpm = serializers.IntegerField(source="rpm_limit", read_only=True, allow_null=True)
+    tpm = serializers.IntegerField(source="tpm_limit", read_only=True, allow_null=True)
     active = serializers.SerializerMethodField()
 
     class Meta:
@@ -41,17 +44,33 @@ class ApiKeySerializer(serializers.ModelSerializer):
         return record.is_active()
 
 
-class ApiKeyCreateSerializer(serializers.Serializer):
-    name = serializers.CharField(max_length=100)
+# A name must have something besides spaces (it is stored stripped).
+NOT_BLANK = r"^[^\u0000]*[^\s\u0000][^\u0000]*$"
+
+
+class ApiKeyCreateSerializer(StrictJSON, serializers.Serializer):
+    name = serializers.RegexField(NOT_BLANK, max_length=100)
     scope = serializers.ChoiceField(choices=ApiKey.Scope.values, default="inference")
-    team = serializers.CharField(required=False, allow_null=True, default=None)
-    user = serializers.CharField(required=False, allow_null=True, default=None)
-    models = serializers.ListField(child=serializers.CharField(max_length=200),
+    team = serializers.CharField(required=False, allow_null=True, default=None,
+                                 max_length=100)
+    user = serializers.CharField(required=False, allow_null=True, default=None,
+                                 max_length=150)
+    models = serializers.ListField(child=serializers.RegexField(NOT_BLANK, max_length=200),
                                    required=False, default=list, max_length=100)
-    priority = serializers.CharField(required=False, allow_null=True, default=None)
-    rpm = serializers.IntegerField(required=False, allow_null=True, default=None)
-    tpm = serializers.IntegerField(required=False, allow_null=True, default=None)
+    priority = serializers.ChoiceField(choices=[], required=False, allow_null=True,
+                                       default=None, help_text="a priority class name")
+    rpm = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=1,
+                                   max_value=MAX_LIMIT)
+    tpm = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=1,
+                                   max_value=MAX_LIMIT)
     expires_at = serializers.DateTimeField(required=False, allow_null=True, default=None)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Read now, not at import: the classes come from settings.
+        priority = self.fields["priority"]
+        assert isinstance(priority, serializers.ChoiceField)
+        priority.choices = list(classes())
 
 
 class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
@@ -60,6 +79,7 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
 
     serializer_class = ApiKeySerializer
     queryset = ApiKey.objects.select_related("team", "user")
+    lookup_value_regex = "[0-9]+"
     read_role = write_role = "admin"
 
     @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeySerializer})
@@ -81,9 +101,13 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
         return Response(ApiKeySerializer(record).data)
 
 
-class TeamSerializer(serializers.ModelSerializer):
-    rpm = serializers.IntegerField(source="rpm_limit", required=False, allow_null=True)
-    tpm = serializers.IntegerField(source="tpm_limit", required=False, allow_null=True)
+class TeamSerializer(StrictJSON, serializers.ModelSerializer):
+    # Uniqueness is the service's to check: a taken name is a 409, not a 400.
+    name = serializers.RegexField(NOT_BLANK, max_length=100)
+    rpm = serializers.IntegerField(source="rpm_limit", required=False, allow_null=True,
+                                   min_value=1, max_value=MAX_LIMIT)
+    tpm = serializers.IntegerField(source="tpm_limit", required=False, allow_null=True,
+                                   min_value=1, max_value=MAX_LIMIT)
     keys = serializers.SerializerMethodField()
 
     class Meta:
@@ -102,6 +126,7 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Creat
     serializer_class = TeamSerializer
     queryset = Team.objects.all()
     lookup_field = "name"
+    lookup_value_regex = "[^/\x00]+"
     read_role = write_role = "admin"
     http_method_names = ["get", "post", "patch", "head", "options"]
 
@@ -120,17 +145,29 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Creat
                                                    actor=actor_of(self.request), **limits)
 
 
-class UserSerializer(serializers.Serializer):
+class UserSerializer(StrictJSON, serializers.Serializer):
     username = serializers.RegexField(r"^[\w.@+-]{1,150}$")
-    role = serializers.ChoiceField(choices=[*ROLES, "none"], default="viewer")
+    role = serializers.ChoiceField(choices=USER_ROLE_CHOICES, default="viewer")
     password = serializers.CharField(write_only=True, required=False, min_length=8,
                                      max_length=128)
     is_active = serializers.BooleanField(default=True)
+    is_superuser = serializers.BooleanField(read_only=True)
+    last_login = serializers.DateTimeField(read_only=True, allow_null=True)
+    date_joined = serializers.DateTimeField(read_only=True)
 
     def to_representation(self, user: Any) -> dict[str, Any]:
         return {"username": user.get_username(), "role": role_of(user) or "none",
                 "is_active": user.is_active, "is_superuser": user.is_superuser,
-                "last_login": user.last_login, "date_joined": user.date_joined}
+                "last_login": self.fields["last_login"].to_representation(user.last_login)
+                if user.last_login else None,
+                "date_joined": self.fields["date_joined"].to_representation(user.date_joined)}
+
+
+class NewUserSerializer(UserSerializer):
+    password = serializers.CharField(  # type: ignore[assignment]
+        read_only=True, allow_null=True,
+        help_text="made here when no password was given: shown this once; null when "
+                  "the request gave one")
 
 
 class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -145,21 +182,18 @@ class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
     def get_queryset(self) -> QuerySet[Any]:
         return get_user_model().objects.prefetch_related("groups").order_by("username")
 
-    @extend_schema(request=UserSerializer, responses={201: UserSerializer})
+    @extend_schema(request=UserSerializer, responses={201: NewUserSerializer})
     def create(self, request: Request) -> Response:
         query = UserSerializer(data=request.data)
         query.is_valid(raise_exception=True)
         data = query.validated_data
-        try:
-            user, password = create_user(
-                data["username"], None if data["role"] == "none" else data["role"],
-                actor=actor_of(request), password=data.get("password") or "",
-                is_active=data["is_active"])
-        except UserExists as exc:
-            raise serializers.ValidationError({"username": [str(exc)]}) from None
+        # A taken username raises UserExists: a 409 (controlplane/api/errors.py).
+        user, password = create_user(
+            data["username"], None if data["role"] == "none" else data["role"],
+            actor=actor_of(request), password=data.get("password") or "",
+            is_active=data["is_active"])
         body = dict(UserSerializer(user).data)
-        if not data.get("password"):
-            body["password"] = password  # made here: shown this once
+        body["password"] = None if data.get("password") else password  # shown this once
         return Response(body, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=UserSerializer, responses=UserSerializer)
@@ -167,6 +201,9 @@ class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
         from controlplane.services import audit
 
         user = self.get_object()
+        if not isinstance(request.data, dict):
+            raise serializers.ValidationError(
+                {"non_field_errors": ["the body must be a JSON object"]})
         query = UserSerializer(data={"username": user.get_username(), **request.data},
                                partial=True)
         query.is_valid(raise_exception=True)

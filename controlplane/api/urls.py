@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from django.urls import re_path
 from rest_framework.routers import SimpleRouter
 
 from controlplane.api.tenancy import ApiKeyViewSet, TeamViewSet, UserViewSet
@@ -8,6 +9,7 @@ from controlplane.api.views import (
     DeploymentViewSet,
     EventViewSet,
     ReplicaViewSet,
+    not_found,
 )
 
 router = SimpleRouter(trailing_slash=True)
@@ -18,4 +20,5 @@ router.register("events", EventViewSet, basename="event")
 router.register("keys", ApiKeyViewSet, basename="key")
 router.register("teams", TeamViewSet, basename="team")
 router.register("users", UserViewSet, basename="user")
-urlpatterns = router.urls
+# Last: included after the registry's routes, so it only catches what no route matched.
+urlpatterns = [*router.urls, re_path(r"^[\s\S]*$", not_found)]

@@ -6,8 +6,14 @@ from pathlib import Path
 from typing import Any
 
 from django.db.models import QuerySet
-from django.http import StreamingHttpResponse
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_view,
+)
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -15,9 +21,11 @@ from rest_framework.response import Response
 
 from access.roles import actor_of
 from controlplane import services
+from controlplane.api.pagination import count_param, single_param
 from controlplane.api.serializers import (
     AuditEventSerializer,
     BackendSerializer,
+    BackendUpdateSerializer,
     DeploymentSerializer,
     DeploymentUpdateSerializer,
     ReplicaSerializer,
@@ -27,16 +35,39 @@ from controlplane.backends.base import backend_for
 from controlplane.models import AuditEvent, Backend, Deployment, Replica
 
 MAX_LOG_LINES = 5000
+# Names in paths: what a name may hold, so a NUL never reaches a query (PostgreSQL refuses
+# it with an error, not an empty answer); anything else is the JSON 404 of urls.py.
+DNS_NAME = "[-a-z0-9]+"
+ANY_NAME = "[^/.\x00]+"
+
+
+class LogTailSerializer(serializers.Serializer):
+    replica = serializers.CharField()
+    lines = serializers.ListField(child=serializers.CharField(allow_blank=True))
 
 
 class BackendViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
-                     mixins.CreateModelMixin, viewsets.GenericViewSet):
-    """Where replicas run: `local` processes, `external` endpoints."""
+                     mixins.CreateModelMixin, mixins.UpdateModelMixin, viewsets.GenericViewSet):
+    """Where replicas run: `local` processes, `external` endpoints, `kubernetes`. Secrets in
+    a config are shown as `***`; sending `***` back keeps the stored secret."""
 
     queryset = Backend.objects.all()
     serializer_class = BackendSerializer
     lookup_field = "name"
+    lookup_value_regex = DNS_NAME
     read_role, write_role = "operator", "admin"
+    http_method_names = ["get", "post", "patch", "head", "options"]
+
+    def get_serializer_class(self) -> type[serializers.BaseSerializer]:
+        if self.action == "partial_update":
+            return BackendUpdateSerializer
+        return BackendSerializer
+
+    def perform_update(self, serializer: serializers.BaseSerializer) -> None:
+        assert isinstance(serializer.instance, Backend)
+        config = serializer.validated_data.get("config", serializer.instance.config)
+        serializer.instance = services.update_backend(serializer.instance, config,
+                                                      actor=actor_of(self.request))
 
     def perform_create(self, serializer: serializers.BaseSerializer) -> None:
         data = serializer.validated_data
@@ -49,6 +80,7 @@ class DeploymentViewSet(viewsets.ModelViewSet):
 
     serializer_class = DeploymentSerializer
     lookup_field = "name"
+    lookup_value_regex = DNS_NAME
     http_method_names = ["get", "post", "patch", "delete", "head", "options"]
 
     def get_queryset(self) -> QuerySet[Deployment]:
@@ -116,37 +148,42 @@ class DeploymentViewSet(viewsets.ModelViewSet):
     @extend_schema(responses=AuditEventSerializer(many=True))
     @action(detail=True, methods=["get"])
     def events(self, request: Request, name: str | None = None) -> Response:
-        events = AuditEvent.objects.filter(deployment=self.get_object())[:200]
-        return Response(AuditEventSerializer(events, many=True).data)
+        """The deployment's audit events, newest first, a page at a time."""
+        events = AuditEvent.objects.filter(deployment=self.get_object())
+        page = self.paginate_queryset(events)
+        return self.get_paginated_response(AuditEventSerializer(page, many=True).data)
 
 
+@extend_schema_view(list=extend_schema(parameters=[
+    OpenApiParameter("deployment", str, description="only this deployment's replicas")]))
 class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
     """Observed replicas; filter with `?deployment=<name>`."""
 
     serializer_class = ReplicaSerializer
     lookup_field = "name"
+    lookup_value_regex = ANY_NAME
     action_roles = {"logs": "operator"}
 
     def get_queryset(self) -> QuerySet[Replica]:
         queryset = Replica.objects.select_related("deployment", "deployment__backend")
-        deployment = self.request.query_params.get("deployment")
+        deployment = single_param(self.request, "deployment")
         return queryset.filter(deployment__name=deployment) if deployment else queryset
 
     @extend_schema(parameters=[
-        OpenApiParameter("lines", int, description=f"last N lines (1..{MAX_LOG_LINES})"),
+        OpenApiParameter("lines", {"type": "integer", "minimum": 1, "maximum": MAX_LOG_LINES},
+                         description=f"last N lines (1..{MAX_LOG_LINES}, default 200)"),
         OpenApiParameter("follow", bool, description="keep streaming new lines"),
-    ], responses={(200, "text/plain"): str})
+    ], responses={(200, "application/json"): LogTailSerializer,
+                  (200, "text/plain"): OpenApiResponse(str, description="with follow")})
     @action(detail=True, methods=["get"])
     def logs(self, request: Request, name: str | None = None) -> Any:
         replica = self.get_object()
-        try:
-            lines = int(request.query_params.get("lines", "200"))
-        except ValueError:
-            raise serializers.ValidationError({"lines": ["must be a whole number"]}) from None
-        if not 1 <= lines <= MAX_LOG_LINES:
-            raise serializers.ValidationError({"lines": [f"must be 1..{MAX_LOG_LINES}"]})
+        lines = count_param(request, "lines", 200, minimum=1, maximum=MAX_LOG_LINES)
+        follow = single_param(request, "follow") or "false"
+        if follow not in ("true", "false"):
+            raise serializers.ValidationError({"follow": ["must be true or false"]})
         tail = backend_for(replica.deployment.backend).logs(replica, lines)
-        if request.query_params.get("follow") not in ("1", "true", "yes"):
+        if follow == "false":
             return Response({"replica": replica.name, "lines": tail})
         return StreamingHttpResponse(follow_log(Path(replica.log_path), tail),
                                      content_type="text/plain; charset=utf-8")
@@ -168,6 +205,17 @@ async def follow_log(path: Path, tail: list[str]) -> AsyncIterator[bytes]:
                 await asyncio.sleep(0.5)
 
 
+@csrf_exempt  # it changes nothing, and a POST to an unknown path must get JSON too
+def not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
+    """Anything under /api/v1/ that names no operation: a 404 in the API's shape (Django's
+    own 404 page is HTML, which no API client expects)."""
+    return JsonResponse({"detail": "Not found."}, status=404)
+
+
+@extend_schema_view(list=extend_schema(parameters=[
+    OpenApiParameter("deployment", str, description="only this deployment's events"),
+    OpenApiParameter("action", str, description="e.g. key-created, model-deleted"),
+    OpenApiParameter("actor", str, description="who did it: a username, `system`, ...")]))
 class EventViewSet(viewsets.ReadOnlyModelViewSet):
     """The audit log (admins): what changed, who changed it, before and after, and what
     the controllers did. Filter with `?deployment=<name>`, `?action=<action>` (e.g.
@@ -175,12 +223,13 @@ class EventViewSet(viewsets.ReadOnlyModelViewSet):
 
     serializer_class = AuditEventSerializer
     read_role = "admin"
+    lookup_value_regex = "[0-9]+"
 
     def get_queryset(self) -> QuerySet[AuditEvent]:
         queryset = AuditEvent.objects.select_related("deployment")
         for name, field in (("deployment", "deployment__name"), ("action", "action"),
                             ("actor", "actor")):
-            value = self.request.query_params.get(name)
+            value = single_param(self.request, name)
             if value:
                 queryset = queryset.filter(**{field: value})
         return queryset

@@ -4,6 +4,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from access.strict_json import StrictJSON
 from models_registry.capacity import (
     DEFAULT_OVERHEAD_GIB,
     DEFAULT_SEQUENCE_LENGTH,
@@ -11,6 +12,7 @@ from models_registry.capacity import (
     KV_CACHE_DTYPES,
 )
 from models_registry.models import Model
+from models_registry.services import NAME_PATTERN
 
 
 class ModelSerializer(serializers.ModelSerializer):
@@ -35,10 +37,11 @@ class ModelSerializer(serializers.ModelSerializer):
         return model.weight_bytes()
 
 
-class ModelCreateSerializer(serializers.Serializer):
-    """Register a model: `path` for a local folder or GGUF file, `hf_id` for the Hub."""
+class ModelCreateSerializer(StrictJSON, serializers.Serializer):
+    """Register a model: `path` for a local folder or GGUF file (under MODEL_IMPORT_ROOTS),
+    `hf_id` for the Hub."""
 
-    name = serializers.CharField(max_length=100)
+    name = serializers.RegexField(NAME_PATTERN, max_length=63)
     # A serializer field named "source" shadows Field.source only for the type checker.
     source = serializers.ChoiceField(choices=Model.Source.choices)  # type: ignore[assignment]
     path = serializers.CharField(max_length=1000, required=False, allow_blank=True)

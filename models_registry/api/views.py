@@ -65,7 +65,7 @@ class ModelViewSet(
         "`sequence_length` tokens, fit in an accelerator. Without `memory_gib`: one "
         "estimate for each preset (24, 80 and 141 GiB).",
     )
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=None)
     def capacity(self, request: Request, name: str | None = None) -> Response:
         query = CapacityQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)

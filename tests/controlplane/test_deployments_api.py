@@ -45,11 +45,11 @@ def test_a_model_that_is_not_ready_cannot_be_deployed(admin_client: APIClient) -
     assert Deployment.objects.count() == 0
 
 
-def test_a_duplicate_name_is_refused(admin_client: APIClient, model: Model) -> None:
+def test_a_duplicate_name_is_a_conflict(admin_client: APIClient, model: Model) -> None:
     make_deployment("demo", model=model)
     response = create(admin_client)
-    assert response.status_code == 400
-    assert "name" in response.json()
+    assert response.status_code == 409
+    assert "already exists" in response.json()["detail"]
     assert Deployment.objects.count() == 1
 
 
@@ -173,8 +173,9 @@ def test_an_inference_key_cannot_manage_deployments(inference_client: APIClient)
 def test_events_of_a_deployment_are_listed(admin_client: APIClient, model: Model) -> None:
     create(admin_client)
     admin_client.post(f"{URL}demo/scale/", {"replicas": 2}, format="json")
-    actions = [e["action"] for e in admin_client.get(f"{URL}demo/events/").json()]
-    assert actions == ["deployment-scaled", "deployment-created"]
+    page = admin_client.get(f"{URL}demo/events/", {"limit": 1}).json()
+    assert [e["action"] for e in page["results"]] == ["deployment-scaled"]
+    assert page["count"] == 2 and page["next"]
 
 
 def test_backends_are_listed(admin_client: APIClient) -> None:

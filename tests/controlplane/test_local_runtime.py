@@ -59,7 +59,8 @@ def plane(tmp_path_factory: pytest.TempPathFactory,
     env = product_env(data, RECONCILE_INTERVAL_SECONDS="0.5", HEALTH_CHECK_SECONDS="1",
                       RESTART_BACKOFF_BASE_SECONDS="1", RESTART_BACKOFF_MAX_SECONDS="8",
                       DRAIN_TIMEOUT_SECONDS="5", STOP_GRACE_SECONDS="5",
-                      LOCAL_KV_CACHE_GIB="1")
+                      LOCAL_KV_CACHE_GIB="1",
+                      MODEL_IMPORT_ROOTS=str(demo_model_folder.parent))
     manage(env, "migrate", "--noinput", "-v0")
     manage(env, "register_model", "smollm2", "--source", "local", "--path",
            str(demo_model_folder))
@@ -134,7 +135,7 @@ def test_a_deployment_becomes_a_ready_replica_that_answers(plane: ControlPlane) 
     assert {c["type"]: c["status"] for c in deployment["conditions"]}["Available"] == "True"
     logs = plane.api.get(f"/api/v1/replicas/{replica['name']}/logs/", lines=500)["lines"]
     assert any("vllm.entrypoints.openai.api_server" in line for line in logs)
-    actions = [e["action"] for e in plane.api.get("/api/v1/deployments/demo/events/")]
+    actions = [e["action"] for e in plane.api.get("/api/v1/deployments/demo/events/")["results"]]
     assert "replica-ready" in actions
 
 
@@ -214,7 +215,7 @@ def test_killing_a_replica_under_load_replaces_it(plane: ControlPlane) -> None:
     assert again["pid"] != replica["pid"]
     assert "ok" in outcomes and "error" in outcomes
     assert complete(again)["usage"]["completion_tokens"] == 30
-    events = plane.api.get("/api/v1/deployments/demo/events/")
+    events = plane.api.get("/api/v1/deployments/demo/events/")["results"]
     crash = next(e for e in events if e["action"] == "replica-crashed")
     assert "exited" in crash["message"]
 
@@ -239,7 +240,7 @@ def test_a_killed_control_plane_leaves_replicas_serving_and_adopts_them(
     plane.restart()
 
     def adoptions() -> list[dict[str, Any]] | None:
-        events = [e for e in plane.api.get("/api/v1/deployments/demo/events/")
+        events = [e for e in plane.api.get("/api/v1/deployments/demo/events/")["results"]
                   if e["action"] == "replica-adopted"]
         return events if len(events) >= 2 else None
 
@@ -259,7 +260,7 @@ def test_scaling_to_zero_drains_and_leaves_no_process(plane: ControlPlane) -> No
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() !=
                    psutil.STATUS_ZOMBIE for pid in pids)
     assert [p.pid for p in replica_processes(plane)] == []
-    actions = [e["action"] for e in plane.api.get("/api/v1/deployments/demo/events/")]
+    actions = [e["action"] for e in plane.api.get("/api/v1/deployments/demo/events/")["results"]]
     assert actions.count("replica-stopped") == 2
 
 
@@ -273,7 +274,7 @@ def test_a_replica_that_cannot_start_fails_with_its_log_and_backs_off(
     assert response.status_code == 201, response.text
 
     def failed_three_times() -> list[dict[str, Any]] | None:
-        events = [e for e in plane.api.get("/api/v1/deployments/broken/events/")
+        events = [e for e in plane.api.get("/api/v1/deployments/broken/events/")["results"]
                   if e["action"] == "replica-crashed"]
         return events if len(events) >= 3 else None
 

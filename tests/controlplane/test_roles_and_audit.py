@@ -142,7 +142,7 @@ def test_users_get_roles_and_every_change_is_audited(admin_client: APIClient) ->
     assert [(e.before["role"], e.after["role"]) for e in changes  # type: ignore[index]
             ] == [(None, "operator"), ("operator", "admin"), ("admin", "viewer")]
     assert admin_client.post("/api/v1/users/", {"username": "eve"},
-                             format="json").status_code == 400
+                             format="json").status_code == 409
     assert admin_client.patch("/api/v1/users/eve/", {"role": "god"},
                               format="json").status_code == 400
     root = User.objects.create_superuser("root", password="root-password")
@@ -154,8 +154,8 @@ def test_users_get_roles_and_every_change_is_audited(admin_client: APIClient) ->
 
 
 def test_changes_to_deployments_and_models_are_audited(admin_client: APIClient,
-                                                       tmp_path: Path) -> None:
-    folder = write_hf_folder(tmp_path / "tiny")
+                                                       models_dir: Path) -> None:
+    folder = write_hf_folder(models_dir / "tiny")
     assert admin_client.post("/api/v1/models/", {"name": "tiny", "source": "local",
                                                  "path": str(folder)},
                              format="json").status_code == 201

@@ -109,14 +109,13 @@ def test_a_file_that_is_not_gguf_is_a_400_naming_path(admin_client: APIClient, t
     assert_nothing_left(models_dir)
 
 
-def test_a_duplicate_name_is_a_400_naming_name(admin_client: APIClient,
-                                              tmp_path: Path) -> None:
+def test_a_duplicate_name_is_a_conflict(admin_client: APIClient, tmp_path: Path) -> None:
     make_model("taken")
     folder = write_hf_folder(tmp_path / "tiny")
     response = admin_client.post(URL, {"name": "taken", "source": "local",
                                        "path": str(folder)}, format="json")
-    assert response.status_code == 400
-    assert "already exists" in response.json()["name"][0]
+    assert response.status_code == 409
+    assert "already exists" in response.json()["detail"]
     assert Model.objects.count() == 1
 
 

@@ -37,7 +37,7 @@ class Command(BaseCommand):
             model = services.register_model(
                 services.ModelSpec(name=DEMO_MODEL_NAME, source=Model.Source.GGUF,
                                    uri=str(gguf), display_name=DEMO_DISPLAY_NAME),
-                import_in_background=False,
+                import_in_background=False, trusted_path=True,
             )
         except ModelSourceError as exc:
             raise CommandError(f"{exc.field}: {exc.message}") from None
