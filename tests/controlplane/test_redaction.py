@@ -101,3 +101,21 @@ def test_the_deployment_page_shows_no_credentials(replica: Replica,
     page = client.get("/deployments/demo/").content.decode()
     assert "bob:***@llm.example.com" in page
     assert_no_secret(page)
+
+
+def test_the_django_admin_shows_backends_replicas_and_deployments_without_secrets(
+        replica: Replica, django_user_model: Any) -> None:
+    client = Client()
+    client.force_login(django_user_model.objects.create_superuser("root", password="pw"))
+    backend = Backend.objects.get(name="edge")
+    pages = [client.get(url) for url in (
+        "/admin/controlplane/backend/", f"/admin/controlplane/backend/{backend.pk}/change/",
+        "/admin/controlplane/replica/", f"/admin/controlplane/replica/{replica.pk}/change/",
+        f"/admin/controlplane/deployment/{replica.deployment_id}/change/")]
+    assert [page.status_code for page in pages] == [200] * 5
+    text = "".join(page.content.decode() for page in pages)
+    assert "bob:***@llm.example.com" in text
+    assert_no_secret(text)
+    # Shown, not edited there: a change would skip the allow-lists and the audit log.
+    assert client.post(f"/admin/controlplane/backend/{backend.pk}/change/",
+                       {"name": "edge", "kind": "external"}).status_code == 403
