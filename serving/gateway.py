@@ -247,7 +247,7 @@ class Gateway:
         shared address (an ingress, a NAT) cannot lock the others out."""
         try:
             return await self.check_key(scope)
-        except GatewayError:
+        except GatewayError as refused:
             if not settings.GATEWAY_AUTH_FAILURES_PER_MINUTE:
                 raise
             address = (scope.get("client") or ("-", 0))[0]
@@ -257,7 +257,7 @@ class Gateway:
                 verdict = await self.limiter.admit([failures])  # counts this attempt
             except Exception:  # no count to go by: the attempt is answered as it is
                 logger.exception("could not count a failed authentication attempt")
-                raise
+                raise refused from None
             if verdict.allowed:
                 raise
         metrics.child(metrics.REFUSED, "-", "auth_failures").inc()

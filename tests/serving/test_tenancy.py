@@ -255,6 +255,8 @@ def test_an_unreachable_budget_store_refuses_limited_keys_with_503(
     assert refused.json()["error"]["code"] == "limits_unavailable"
     assert refused.headers["retry-after"] == "1"
     assert post(gateway_url, free).status_code == 200  # no budget to check
+    # A wrong key is still a 401: no count of failed attempts to go by is no server error.
+    assert post(gateway_url, "fp-wrong").status_code == 401
 
 
 def test_a_client_that_leaves_the_queue_frees_its_place_and_its_budget(
