@@ -25,7 +25,13 @@ from django.conf import settings
 
 from serving import metrics
 from serving.admission import Admission, Refused, Ticket, retry_after_header
-from serving.keys import KeyInfo, authenticate, authenticate_hash, follow_key_changes
+from serving.keys import (
+    KeyInfo,
+    KeysUnavailable,
+    authenticate,
+    authenticate_hash,
+    follow_key_changes,
+)
 from serving.models import REQUEST_ID_MAX_LENGTH
 from serving.priority import DEFAULT_CLASS, PriorityClass, classes
 from serving.ratelimit import (
@@ -79,6 +85,7 @@ class Timing:
     ticket: Ticket | None = None  # the admission slot held, released when the answer ends
     events: int = 0  # SSE data events relayed (the completion's size when no usage came)
     reserved: int = 0  # completion tokens charged to the token budget at admission
+    answered: bool = False  # a replica answered (else admission's charge is given back)
 
 
 class Gateway:
@@ -154,8 +161,9 @@ class Gateway:
         for key_hash in list(self.streams):
             if await authenticate_hash(key_hash) is None:
                 for pump in self.streams.pop(key_hash, ()):
-                    self.cut_off.add(pump)
-                    pump.cancel()
+                    if not pump.done():
+                        self.cut_off.add(pump)
+                        pump.cancel()
 
     def refresh_capacity(self) -> None:
         """Replicas came or went: waiting requests take the new slots."""
@@ -248,7 +256,7 @@ class Gateway:
         try:
             return await self.check_key(scope)
         except GatewayError as refused:
-            if not settings.GATEWAY_AUTH_FAILURES_PER_MINUTE:
+            if refused.status != 401 or not settings.GATEWAY_AUTH_FAILURES_PER_MINUTE:
                 raise
             address = (scope.get("client") or ("-", 0))[0]
             failures = Limit("requests", f"authfail:{address}",
@@ -274,7 +282,18 @@ class Gateway:
         if scheme.lower() != "bearer" or not key.strip():
             raise GatewayError(401, "use Authorization: Bearer <key>",
                                kind="authentication_error", code="invalid_api_key")
-        info = await authenticate(key.strip())
+        key = key.strip()
+        if not well_formed(key):  # no key of ours looks like this: no lookup to make
+            info = None
+        else:
+            try:
+                info = await authenticate(key)
+            except KeysUnavailable:
+                logger.exception("could not check an API key")
+                raise GatewayError(503, "API keys cannot be checked now (the database is "
+                                        "unreachable); try again shortly",
+                                   kind="service_unavailable", code="keys_unavailable",
+                                   headers=[(b"retry-after", b"2")]) from None
         if info is None:
             raise GatewayError(401, "invalid or revoked API key", kind="authentication_error",
                                code="invalid_api_key")
@@ -367,7 +386,8 @@ class Gateway:
                                code="model_not_allowed")
         priority = self.priority_of(scope, key)
         prompt_tokens = estimate_prompt_tokens(body, kind)
-        timing.reserved = reserved_completion_tokens(body, kind)
+        timing.reserved = reserved_completion_tokens(body, kind, pool.max_model_len,
+                                                     prompt_tokens)
         limits = key_limits(key, prompt_tokens, timing.reserved)
         if limits:
             try:
@@ -405,7 +425,7 @@ class Gateway:
                              wants_usage, session, prefix, request_id, headers, timing,
                              priority=priority, prompt_tokens=prompt_tokens)
         except BaseException:
-            if limits and not timing.sent:  # it never reached a replica: no budget used
+            if limits and not timing.answered:  # no replica answered: no budget used
                 self.spawn(self.refund(limits))
             raise
 
@@ -558,6 +578,7 @@ class Gateway:
             self.record(key, model, pool, "", 503, stream, None, timing, request_id, user=user)
             raise GatewayError(503, message, kind="service_unavailable", code="no_replica",
                                headers=[(b"retry-after", b"2")])
+        timing.answered = True
         return replica, response
 
     async def wait_for_capacity(self, pool: Pool, model: str) -> Pool:
@@ -669,12 +690,16 @@ class Gateway:
                 # What was used, less what admission charged (the prompt's estimate and the
                 # reserved completion), once known: more is charged, less given back.
                 # A stream the client left has no usage: its relayed events count instead.
+                # A non-streamed answer the client left, or one cut off, has no count
+                # either: what it may have made, its reservation, stays charged.
                 completion = (usage or {}).get("completion_tokens")
                 prompt = (usage or {}).get("prompt_tokens")
+                if not isinstance(completion, int):
+                    completion = (timing.events if stream else
+                                  timing.reserved if status in (499, 502) else 0)
                 charges = token_charges(
-                    key, completion if isinstance(completion, int) else timing.events,
-                    prompt if isinstance(prompt, int) else None, prompt_tokens,
-                    timing.reserved)
+                    key, completion, prompt if isinstance(prompt, int) else None,
+                    prompt_tokens, timing.reserved)
                 if charges:
                     self.spawn(self.charge(charges))
         self.record(key, model, pool, replica.name, status, stream, usage, timing, request_id)
@@ -990,14 +1015,34 @@ def estimate_prompt_tokens(body: dict[str, Any], kind: str) -> int:
     return max(1, (chars + 3) // 4)
 
 
-def reserved_completion_tokens(body: dict[str, Any], kind: str) -> int:
-    """The completion tokens a request may ask for: n x max_tokens (reserved against the
-    token budget at admission; the difference to what was used is settled at the end)."""
+# A completion without max_tokens makes at most 16 tokens (OpenAI's and vLLM's default); a
+# chat without one, the rest of the context, which is this long where the model's is not
+# known (an external endpoint).
+COMPLETION_DEFAULT_TOKENS = 16
+UNKNOWN_CONTEXT_TOKENS = 4096
+
+
+def reserved_completion_tokens(body: dict[str, Any], kind: str, max_model_len: int | None,
+                               prompt_tokens: int) -> int:
+    """The completion tokens a request may make: n x max_tokens, or n x what the engine
+    would allow without one (reserved against the token budget at admission; the
+    difference to what was used is settled at the end)."""
     if kind == "embedding":
         return 0
-    most = body.get("max_completion_tokens") or body.get("max_tokens") or 0
-    n = body.get("n") or 1
-    return int(most) * int(n) if isinstance(most, int) and isinstance(n, int) else 0
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    most = body.get("max_completion_tokens") or body.get("max_tokens")
+    if not isinstance(most, int) or isinstance(most, bool) or most < 1:
+        most = (COMPLETION_DEFAULT_TOKENS if kind == "completion" else
+                max(1, (max_model_len or UNKNOWN_CONTEXT_TOKENS) - prompt_tokens))
+    return most * n
+
+
+def well_formed(key: str) -> bool:
+    """Whether a key could be one of ours (`fp-` and URL-safe characters), so a flood of
+    made-up strings costs no database lookups."""
+    return (key.startswith("fp-") and 16 <= len(key) <= 200
+            and all(c.isalnum() or c in "-_" for c in key) and key.isascii())
 
 
 def prompt_prefix(body: dict[str, Any], kind: str) -> str | None:

@@ -7,9 +7,11 @@ KEY_CACHE_SECONDS even without Redis. Any change to a key or team clears this pr
 cache when its transaction commits (not before: a lookup between the change and the commit
 would cache the old row) and, with REDIS_URL set, every other gateway process's within
 GATEWAY_LOAD_SCRAPE_SECONDS. A lookup that was in flight across a clear answers its waiters
-but is not cached. Concurrent requests with an unseen key share one lookup. Unknown keys
-are remembered apart from known ones, so a flood of made-up keys cannot push the real ones
-out of the cache.
+but is not cached, and a request after the clear does not join it. Concurrent requests
+with an unseen key share one lookup. Unknown keys are remembered apart from known ones, so
+a flood of made-up keys cannot push the real ones out of the cache. While the database
+cannot be reached, keys known valid keep working from the cache (nothing newer can be read
+about them) and others raise KeysUnavailable (the gateway answers 503).
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ _cache: dict[str, tuple[KeyInfo | None, float]] = {}
 _unknown: dict[str, tuple[KeyInfo | None, float]] = {}
 CACHE_LIMIT = 100_000
 UNKNOWN_LIMIT = 10_000
-# key hash -> the lookup in flight, shared by every request that needs it meanwhile
-_lookups: dict[str, asyncio.Future[KeyInfo | None]] = {}
+# key hash -> the lookup in flight and the cache generation it started in, shared by every
+# request that needs it meanwhile (in the same generation: after a clear, a new lookup)
+_lookups: dict[str, tuple[asyncio.Future[KeyInfo | None], int]] = {}
 # Bumped by every clear: a lookup that started before it does not fill the cache.
 _generation = [0]
 
@@ -125,14 +128,21 @@ def _lookup(key_hash: str) -> KeyInfo | None:
                    key_hash=key_hash)
 
 
+class KeysUnavailable(Exception):
+    """The database could not be asked about a key no cache entry vouches for."""
+
+
 async def _fetch(key_hash: str) -> KeyInfo | None:
-    """One database lookup per key at a time, however many requests wait for it."""
-    pending = _lookups.get(key_hash)
-    if pending is not None:
-        return await pending
-    future: asyncio.Future[KeyInfo | None] = asyncio.get_running_loop().create_future()
-    _lookups[key_hash] = future
+    """One database lookup per key at a time, however many requests wait for it. A
+    request that comes after a clear does not join a lookup that began before it: that
+    one may have read the row as it was before the change."""
     generation = _generation[0]
+    pending = _lookups.get(key_hash)
+    if pending is not None and pending[1] == generation:
+        return await pending[0]
+    future: asyncio.Future[KeyInfo | None] = asyncio.get_running_loop().create_future()
+    entry = (future, generation)
+    _lookups[key_hash] = entry
     try:
         info = await sync_to_async(_lookup, thread_sensitive=False)(key_hash)
     except BaseException as exc:
@@ -140,7 +150,8 @@ async def _fetch(key_hash: str) -> KeyInfo | None:
         future.exception()  # retrieved here, so an unawaited future logs nothing
         raise
     finally:
-        _lookups.pop(key_hash, None)
+        if _lookups.get(key_hash) is entry:
+            del _lookups[key_hash]
     if generation == _generation[0]:  # nothing changed while the database answered
         store, limit = (_cache, CACHE_LIMIT) if info is not None else (_unknown, UNKNOWN_LIMIT)
         _cache.pop(key_hash, None)
@@ -165,7 +176,23 @@ async def authenticate_hash(key_hash: str) -> KeyInfo | None:
 
 
 async def _authenticate(key_hash: str) -> KeyInfo | None:
+    from django.db import Error as DatabaseError
+
     cached = _cache.get(key_hash) or _unknown.get(key_hash)
+    try:
+        return await _cached_or_fetched(key_hash, cached)
+    except DatabaseError as exc:
+        if cached is not None and cached[0] is not None:
+            # The database is away: a key known valid keeps working (nothing newer can
+            # be read about it anyway); unknown keys cannot be checked.
+            logger.warning("API keys cannot be read from the database (%s); serving a "
+                           "known key from the cache", exc)
+            return cached[0]
+        raise KeysUnavailable(str(exc)) from exc
+
+
+async def _cached_or_fetched(key_hash: str, cached: tuple[KeyInfo | None, float] | None
+                             ) -> KeyInfo | None:
     if cached is not None:
         info, fetched = cached
         age = time.monotonic() - fetched

@@ -42,6 +42,8 @@ def _trusted(address: str, networks: tuple[Network, ...]) -> bool:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # a dual-stack socket's view of an IPv4 peer
     return any(ip in network for network in networks)
 
 

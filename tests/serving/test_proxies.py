@@ -39,6 +39,8 @@ def test_behind_a_trusted_proxy_the_nearest_untrusted_hop_is_the_client(
     assert client_address(scope("10.1.2.3", "198.51.100.7, 10.9.9.9")) == "198.51.100.7"
     assert client_address(scope("10.1.2.3", "not-an-address")) == "10.1.2.3"
     assert client_address(scope("203.0.113.9", "198.51.100.7")) == "203.0.113.9"
+    # A dual-stack listener sees an IPv4 proxy as ::ffff:a.b.c.d: still that proxy.
+    assert client_address(scope("::ffff:10.1.2.3", "198.51.100.7")) == "198.51.100.7"
 
 
 def test_a_forged_forwarded_header_does_not_escape_the_failed_attempt_limit(

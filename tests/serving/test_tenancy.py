@@ -87,6 +87,75 @@ def test_tokens_per_minute_reserve_the_prompt_and_n_times_max_tokens_at_admissio
                     ).status_code == 200
 
 
+def test_a_chat_without_max_tokens_reserves_the_rest_of_the_context(
+        gateway_url: str, fake_engines: Engines) -> None:
+    publish("demo", [fake_engines("demo-1", interval_ms=50)])  # a 2,048-token context
+    _, key = create_api_key("open-ended", "inference", tpm=10_000)
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "n": 2,
+            "stream": True}
+    with httpx.stream("POST", f"{gateway_url}/v1/chat/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {key}"}) as running:
+        assert running.status_code == 200
+        # 5 estimated prompt tokens, and 2 x the 2,043 tokens the engine may still write
+        # (the header rounds down)
+        assert 10_000 - 5 - 4086 - 1 <= int(running.headers["x-ratelimit-remaining-tokens"]
+                                            ) <= 10_000 - 5 - 4086
+
+
+def test_a_request_no_replica_answered_gives_its_tokens_back(
+        gateway_url: str, fake_engines: Engines) -> None:
+    from serving.routes import Pool as RoutePool
+    from serving.routes import RouteReplica, build_table, routes
+    from tests.product import free_port
+
+    _, key = create_api_key("unlucky", "inference", tpm=1000)
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 900}
+    gone = RouteReplica("gone-1", f"http://127.0.0.1:{free_port()}")
+    routes.publish(build_table([RoutePool("demo", "fake", "least-load", 2048, (gone,),
+                                          ("fake", "demo"))]))
+    assert post(gateway_url, key, body).status_code == 503  # every try failed
+    publish("demo", [fake_engines("demo-1")])
+    assert post(gateway_url, key, body).status_code == 200  # the 900 came back
+
+
+def test_a_client_that_leaves_a_non_streamed_answer_pays_its_reservation(
+        gateway_url: str, fake_engines: Engines) -> None:
+    publish("demo", [fake_engines("demo-1", interval_ms=5)])
+    _, key = create_api_key("impatient", "inference", tpm=1000)
+    with pytest.raises(httpx.TimeoutException):  # 500 tokens take 2.5 s
+        httpx.post(f"{gateway_url}/v1/completions", timeout=0.5,
+                   json={"model": "fake", "prompt": "hi", "max_tokens": 500},
+                   headers={"Authorization": f"Bearer {key}"})
+    from serving.gateway import gateway
+
+    wait_until(lambda: not gateway.key_in_flight)  # the gateway saw it go
+    refused = post(gateway_url, key, {"model": "fake", "prompt": "hi", "max_tokens": 600})
+    assert refused.status_code == 429
+
+
+def test_while_keys_cannot_be_read_known_keys_work_and_others_get_503(
+        gateway_url: str, fake_engines: Engines, settings: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from django.db import OperationalError
+
+    from serving import keys
+
+    publish("demo", [fake_engines("demo-1")])
+    settings.KEY_CACHE_SECONDS = 0  # every request would ask the database
+    _, known = create_api_key("known", "inference")
+    _, unseen = create_api_key("unseen", "inference")
+    assert post(gateway_url, known).status_code == 200
+
+    def unreachable(key_hash: str) -> None:
+        raise OperationalError("connection refused")  # what a stopped server gives
+
+    monkeypatch.setattr(keys, "_lookup", unreachable)
+    assert post(gateway_url, known).status_code == 200  # from the cache
+    refused = post(gateway_url, unseen)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "2"
+    assert refused.json()["error"]["code"] == "keys_unavailable"
+
+
 def test_every_bad_key_gets_the_same_401(gateway_url: str, fake_engines: Engines) -> None:
     publish("demo", [fake_engines("demo-1")])
     record, revoked = create_api_key("revoked", "inference")
