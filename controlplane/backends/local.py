@@ -36,6 +36,13 @@ REPLICA_OWNER_ENV = "FLEETPLANE_DATA_DIR"
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM's own variable for --api-key: its server then refuses /v1/* without the key.
 ENGINE_KEY_ENV = "VLLM_API_KEY"
+# vLLM guards only /v1, /v2, /inference and /cohere with the key; this middleware, loaded
+# into each replica, refuses every other path but /health and /metrics without it
+# (SageMaker's /invocations, /tokenize, /pooling, /score...).
+ENGINE_GUARD = "serving.engine_guard.EngineGuard"
+# The folder that holds the project's packages: on the replica's PYTHONPATH, so any
+# allowed interpreter with vLLM can import ENGINE_GUARD.
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 # What a replica may inherit from the control plane's environment (replica_environment).
 INHERITED_ENV = frozenset({
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
@@ -249,14 +256,14 @@ class LocalBackend:
                                         served_name=deployment.served_model_name(),
                                         port=port, host=self.config.host),
                    # Health probes would otherwise fill the log a person reads.
-                   "--disable-uvicorn-access-log"]
+                   "--disable-uvicorn-access-log", "--middleware", ENGINE_GUARD]
         # The key goes in the environment, not on the command line: a command line is
         # readable by every local user (ps) and is written to the log below.
         env = {**replica_environment(os.environ), "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **placement_env,
                **self.config.env, REPLICA_ENV_MARKER: replica.name,
                REPLICA_OWNER_ENV: str(settings.DATA_DIR),
-               ENGINE_KEY_ENV: deployment.engine_key()}
+               ENGINE_KEY_ENV: deployment.engine_key(), "PYTHONPATH": PROJECT_ROOT}
         with log_path.open("ab") as log:
             log.write(f"--- fleetplane: starting {replica.name}: {' '.join(command)}\n".encode())
             log.flush()
