@@ -53,11 +53,16 @@ INHERITED_ENV = frozenset({
 # VLLM_API_KEY is not among them: it is the deployment's own (set below), never the
 # control plane's.
 # What a backend's `env` may not set: names that load other code into the interpreter
-# (an allow-listed python is no bound if PYTHONPATH or LD_PRELOAD can be set beside it),
-# and the ones the control plane sets itself.
+# (an allow-listed python is no bound if PYTHONPATH or LD_PRELOAD can be set beside it;
+# HOME moves where site-packages, .pth files and caches are read from; any *PLUGIN*
+# name selects vLLM or library plugins), names that open vLLM's unguarded development
+# routes (/collective_rpc, /sleep...) or unpickling of what clients send, and the ones the
+# control plane sets itself.
 RESERVED_ENV = frozenset({ENGINE_KEY_ENV, REPLICA_ENV_MARKER, REPLICA_OWNER_ENV, "PATH",
-                          "BASH_ENV", "ENV"})
+                          "BASH_ENV", "ENV", "HOME", "VLLM_SERVER_DEV_MODE",
+                          "VLLM_ALLOW_INSECURE_SERIALIZATION"})
 RESERVED_ENV_PREFIXES = ("LD_", "PYTHON", "FLEETPLANE_")
+RESERVED_ENV_PARTS = ("PLUGIN",)
 INHERITED_ENV_PREFIXES = ("LC_", "VLLM_", "HF_", "CUDA_", "NVIDIA_", "NCCL_", "ROCM_", "HIP_")
 
 
@@ -121,8 +126,9 @@ def refused_setting(python: str, env: dict[str, str]) -> tuple[str, str] | None:
     if python and os.path.normpath(python) not in allowed_pythons():
         return "python", (f"{python!r} is not an interpreter this install allows "
                           f"(LOCAL_BACKEND_PYTHONS)")
-    refused = sorted(name for name in env if name in RESERVED_ENV
-                     or name.startswith(RESERVED_ENV_PREFIXES))
+    refused = sorted(name for name in env if name.upper() in RESERVED_ENV
+                     or name.upper().startswith(RESERVED_ENV_PREFIXES)
+                     or any(part in name.upper() for part in RESERVED_ENV_PARTS))
     if refused:
         return "env", (f"{refused[0]} may not be set: it would change which code runs, "
                        f"or is the control plane's")

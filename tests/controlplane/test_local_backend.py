@@ -131,6 +131,11 @@ def test_each_deployment_has_its_own_key_and_the_key_is_not_on_the_command_line(
     ({"env": {"LD_PRELOAD": "/tmp/x.so"}}, "env"),
     ({"env": {"PYTHONPATH": "/tmp/evil"}}, "env"),
     ({"env": {"VLLM_API_KEY": "mine"}}, "env"),
+    ({"env": {"VLLM_SERVER_DEV_MODE": "1"}}, "env"),
+    ({"env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}}, "env"),
+    ({"env": {"HOME": "/tmp/evil"}}, "env"),
+    ({"env": {"VLLM_PLUGINS": "evil"}}, "env"),
+    ({"env": {"VLLM_GENERAL_PLUGINS": "evil"}}, "env"),
 ])
 def test_a_local_backend_may_name_only_what_the_install_allows(
         admin_client: APIClient, config: dict[str, Any], field: str) -> None:
