@@ -172,7 +172,9 @@ class ThrottledAuthenticationForm(AuthenticationForm):
         except BaseException:
             throttle.give_back(username, address, clear_username=False)
             raise
-        throttle.give_back(username, address, clear_username=True)
+        # Only a login that happened clears the count: a form sent without a password
+        # checks nothing, and must not reset the guesses made before it.
+        throttle.give_back(username, address, clear_username=self.get_user() is not None)
         return cleaned
 
 

@@ -111,6 +111,16 @@ def test_a_few_failures_then_the_right_password_logs_in(store: str, ada: User) -
     assert attempt("correct-horse-battery").status_code == 302
 
 
+def test_a_form_sent_without_a_password_does_not_reset_the_count(
+        store: str, ada: User) -> None:
+    attempt("wrong")
+    attempt("wrong")
+    attempt("")  # checks nothing: it must not count as the login that clears the count
+    attempt("wrong")
+    refused = attempt("correct-horse-battery")
+    assert "Too many failed login attempts" in refused.content.decode()
+
+
 def test_the_admins_login_page_is_throttled_too(store: str, ada: User) -> None:
     for _ in range(3):
         attempt("wrong", path="/admin/login/")
