@@ -1,7 +1,9 @@
-"""The Django admin site (admins only). Backends are shown, not edited, here: they are made
-and changed on the Backends page or through the REST API, which check them against the
-install's allow-lists, keep masked secrets and write the audit log. Nothing shown here
-carries a secret (access/redaction.py)."""
+"""The Django admin site (admins only). Everything here is shown, not edited: backends,
+deployments and the audit log are made and changed through the REST API (and the
+deployment pages), which check them against the install's allow-lists and engine-args
+validation, keep masked secrets and write the audit log; an edit here would skip all of
+that, and an audit event is never changed or deleted. Nothing shown here carries a secret
+(access/redaction.py)."""
 
 from __future__ import annotations
 
@@ -39,15 +41,30 @@ class ReplicaInline(admin.TabularInline[Replica, Deployment]):
 
 
 @admin.register(Deployment)
-class DeploymentAdmin(admin.ModelAdmin[Deployment]):
+class DeploymentAdmin(ReadOnly, admin.ModelAdmin[Deployment]):
     list_display = ("name", "model", "backend", "state", "replicas", "generation",
                     "observed_generation")
     list_filter = ("state", "backend")
     search_fields = ("name",)
     inlines = [ReplicaInline]
-    exclude = ("conditions",)
-    readonly_fields = ("generation", "observed_generation", "shown_conditions",
-                       "replica_serial")
+    fields = ("name", "model", "backend", "state", "shown_engine_args", "replicas",
+              "min_replicas", "max_replicas", "standby", "shown_autoscaling",
+              "shown_admission", "routing_policy", "aliases", "generation",
+              "observed_generation", "shown_conditions", "replica_serial", "deleting",
+              "created_at", "updated_at")
+    readonly_fields = fields
+
+    @admin.display(description="engine args (secrets masked)")
+    def shown_engine_args(self, deployment: Deployment) -> str:
+        return json.dumps(redact(deployment.engine_args), indent=2, sort_keys=True)
+
+    @admin.display(description="autoscaling")
+    def shown_autoscaling(self, deployment: Deployment) -> str:
+        return json.dumps(redact(deployment.autoscaling), indent=2, sort_keys=True)
+
+    @admin.display(description="admission")
+    def shown_admission(self, deployment: Deployment) -> str:
+        return json.dumps(redact(deployment.admission), indent=2, sort_keys=True)
 
     @admin.display(description="conditions")
     def shown_conditions(self, deployment: Deployment) -> str:
@@ -73,7 +90,22 @@ class ReplicaAdmin(ReadOnly, admin.ModelAdmin[Replica]):
 
 
 @admin.register(AuditEvent)
-class AuditEventAdmin(admin.ModelAdmin[AuditEvent]):
-    list_display = ("at", "actor", "action", "deployment", "replica_name")
+class AuditEventAdmin(ReadOnly, admin.ModelAdmin[AuditEvent]):
+    list_display = ("at", "actor", "action", "deployment", "replica_name", "shown_message")
     list_filter = ("action", "actor")
-    search_fields = ("message", "replica_name")
+    search_fields = ("action", "replica_name")
+    fields = ("at", "actor", "action", "deployment", "replica_name", "shown_message",
+              "shown_before", "shown_after")
+    readonly_fields = fields
+
+    @admin.display(description="message")
+    def shown_message(self, event: AuditEvent) -> str:
+        return redact_text(event.message or "")
+
+    @admin.display(description="before (secrets masked)")
+    def shown_before(self, event: AuditEvent) -> str:
+        return redact_text(json.dumps(redact(event.before), indent=2, sort_keys=True))
+
+    @admin.display(description="after (secrets masked)")
+    def shown_after(self, event: AuditEvent) -> str:
+        return redact_text(json.dumps(redact(event.after), indent=2, sort_keys=True))

@@ -63,10 +63,14 @@ class GuardedConsumer(AsyncWebsocketConsumer):
 
     async def recheck_access(self) -> None:
         """Without a shared channel layer a change made in another process is not told:
-        look again every KEY_CACHE_SECONDS."""
+        look again every KEY_CACHE_SECONDS. A failed look (the database away for a moment)
+        is logged and tried again next time: one error must not end the checks for good."""
         while True:
             await asyncio.sleep(max(1.0, float(settings.KEY_CACHE_SECONDS)))
-            await self.check_access()
+            try:
+                await self.check_access()
+            except Exception:
+                logger.exception("could not re-check the access of user %s", self.user_id)
 
     async def check_access(self) -> None:
         if await database_sync_to_async(still_allowed)(self.user_id, self.role):

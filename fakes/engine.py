@@ -6,9 +6,12 @@ TTFT and inter-token histograms). Every token is the word "tok".
 
 Given a key (--api-key, or VLLM_API_KEY in its environment, as vLLM takes it) it refuses
 /v1/* without `Authorization: Bearer <key>` exactly as vLLM does: 401 with
-{"error": "Unauthorized"}; /health and /metrics stay open, as they are in vLLM.
+{"error": "Unauthorized"}; /health and /metrics stay open, as they are in vLLM. Like vLLM
+it loads `--middleware module.Class` ASGI middleware around itself (the local backend's
+engine guard, serving/engine_guard.py, which closes every other path too).
 
     python -m fakes.engine --port 9001 [--token-interval-ms 10] [--model fake] [--api-key K]
+                           [--middleware module.Class]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import importlib
 import json
 import os
 import time
@@ -104,6 +108,12 @@ class FakeEngine:
             await respond(send, 200, self.metrics().encode(), "text/plain; version=0.0.4")
         elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             await self.complete(scope, receive, send, chat=path.endswith("chat/completions"))
+        elif method == "POST" and path == "/invocations":
+            # vLLM's SageMaker route: a chat completion, outside vLLM's own key check.
+            await self.complete(scope, receive, send, chat=True)
+        elif method == "POST" and path == "/tokenize":
+            await respond(send, 200, json.dumps({"count": 1, "max_model_len": 2048,
+                                                 "tokens": [1]}).encode())
         else:
             await respond(send, 404, b'{"error": {"message": "not found", "code": 404}}')
 
@@ -284,6 +294,15 @@ class PerPort:
         await engine(scope, receive, send)
 
 
+def with_middleware(app: Any, paths: list[str]) -> Any:
+    """`app` wrapped in each middleware class named `module.Class`, as vLLM's --middleware
+    adds them (the last named outermost)."""
+    for path in paths:
+        module, _, name = path.rpartition(".")
+        app = getattr(importlib.import_module(module), name)(app)
+    return app
+
+
 async def respond(send: Send, status: int, body: bytes,
                   content_type: str = "application/json") -> None:
     await send({"type": "http.response.start", "status": status,
@@ -306,14 +325,16 @@ def main() -> None:
     parser.add_argument("--ports-file", default="")
     parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY", ""),
                         help="refuse /v1/* without this bearer key (default: VLLM_API_KEY)")
+    parser.add_argument("--middleware", action="append", default=[],
+                        help="an ASGI middleware class to load around the engine, as vLLM")
     options = parser.parse_args()
     import uvicorn
 
     if not options.extra_ports:
         engine = FakeEngine(options.model, options.token_interval_ms / 1000,
                             options.max_running, api_key=options.api_key)
-        uvicorn.run(engine, host=options.host, port=options.port, log_level="warning",
-                    access_log=False, lifespan="on")
+        uvicorn.run(with_middleware(engine, options.middleware), host=options.host,
+                    port=options.port, log_level="warning", access_log=False, lifespan="on")
         return
     import socket
 
@@ -327,9 +348,9 @@ def main() -> None:
     if options.ports_file:
         with open(options.ports_file, "w") as out:
             out.write("".join(f"{s.getsockname()[1]}\n" for s in sockets))
-    server = uvicorn.Server(uvicorn.Config(PerPort(options.model,
-                                                   options.token_interval_ms / 1000,
-                                                   options.api_key),
+    server = uvicorn.Server(uvicorn.Config(with_middleware(PerPort(
+                                               options.model, options.token_interval_ms / 1000,
+                                               options.api_key), options.middleware),
                                            log_level="warning", access_log=False,
                                            lifespan="on"))
     server.run(sockets=sockets)

@@ -1,6 +1,6 @@
 """A FAKE vLLM command line for tests and benchmarks that need many replicas quickly: takes
 the arguments the local backend passes to `python -m vllm.entrypoints.openai.api_server`
-(--served-model-name, --host, --port; the rest ignored) and serves the fake engine
+(--served-model-name, --host, --port, --middleware; the rest ignored) and serves the fake engine
 (fakes/engine.py) there. `stand_in_python(folder)` writes an executable the local backend's
 `python` setting can name: it runs this module whatever module it is asked to run."""
 
@@ -33,10 +33,12 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token-interval-ms", type=float, default=5.0)
+    parser.add_argument("--middleware", action="append", default=[])
     options, _ = parser.parse_known_args()
     sys.argv = [sys.argv[0], "--host", options.host, "--port", str(options.port),
                 "--model", options.served_model_name,
-                "--token-interval-ms", str(options.token_interval_ms)]
+                "--token-interval-ms", str(options.token_interval_ms),
+                *(arg for path in options.middleware for arg in ("--middleware", path))]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     from fakes.engine import main as serve
 

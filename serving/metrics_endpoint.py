@@ -1,12 +1,14 @@
 """/metrics: the control plane's own Prometheus metrics, in the text format.
 
 With METRICS_TOKEN set, only `Authorization: Bearer <METRICS_TOKEN>` is answered (the
-figures name models, deployments and replicas); without it, /metrics is open, for a
-scraper on the same private network.
+figures name models, deployments and replicas; the scheme is taken in any case, the token
+compared in constant time); without it, /metrics is open, for a scraper on the same
+private network.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,10 +25,14 @@ def authorized(scope: dict[str, Any]) -> bool:
         return True
     given = b""
     for name, value in scope.get("headers") or ():
-        if name == b"authorization":
+        if name.lower() == b"authorization":
             given = value
-    expected = b"Bearer " + token.encode()
-    return hmac.compare_digest(given, expected)
+    # The scheme in any case (RFC 9110: "bearer" is "Bearer"), the token exact; digests
+    # of equal length, so the comparison's time says nothing about the token.
+    scheme, _, presented = given.strip().partition(b" ")
+    matches = hmac.compare_digest(hashlib.sha256(presented.strip()).digest(),
+                                  hashlib.sha256(token.encode()).digest())
+    return scheme.lower() == b"bearer" and matches
 
 
 async def metrics_application(scope: dict[str, Any],

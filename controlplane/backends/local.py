@@ -36,6 +36,13 @@ REPLICA_OWNER_ENV = "FLEETPLANE_DATA_DIR"
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM's own variable for --api-key: its server then refuses /v1/* without the key.
 ENGINE_KEY_ENV = "VLLM_API_KEY"
+# vLLM guards only /v1, /v2, /inference and /cohere with the key; this middleware, loaded
+# into each replica, refuses every other path but /health and /metrics without it
+# (SageMaker's /invocations, /tokenize, /pooling, /score...).
+ENGINE_GUARD = "serving.engine_guard.EngineGuard"
+# The folder that holds the project's packages: on the replica's PYTHONPATH, so any
+# allowed interpreter with vLLM can import ENGINE_GUARD.
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 # What a replica may inherit from the control plane's environment (replica_environment).
 INHERITED_ENV = frozenset({
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
@@ -46,11 +53,16 @@ INHERITED_ENV = frozenset({
 # VLLM_API_KEY is not among them: it is the deployment's own (set below), never the
 # control plane's.
 # What a backend's `env` may not set: names that load other code into the interpreter
-# (an allow-listed python is no bound if PYTHONPATH or LD_PRELOAD can be set beside it),
-# and the ones the control plane sets itself.
+# (an allow-listed python is no bound if PYTHONPATH or LD_PRELOAD can be set beside it;
+# HOME moves where site-packages, .pth files and caches are read from; any *PLUGIN*
+# name selects vLLM or library plugins), names that open vLLM's unguarded development
+# routes (/collective_rpc, /sleep...) or unpickling of what clients send, and the ones the
+# control plane sets itself.
 RESERVED_ENV = frozenset({ENGINE_KEY_ENV, REPLICA_ENV_MARKER, REPLICA_OWNER_ENV, "PATH",
-                          "BASH_ENV", "ENV"})
+                          "BASH_ENV", "ENV", "HOME", "VLLM_SERVER_DEV_MODE",
+                          "VLLM_ALLOW_INSECURE_SERIALIZATION"})
 RESERVED_ENV_PREFIXES = ("LD_", "PYTHON", "FLEETPLANE_")
+RESERVED_ENV_PARTS = ("PLUGIN",)
 INHERITED_ENV_PREFIXES = ("LC_", "VLLM_", "HF_", "CUDA_", "NVIDIA_", "NCCL_", "ROCM_", "HIP_")
 
 
@@ -114,8 +126,9 @@ def refused_setting(python: str, env: dict[str, str]) -> tuple[str, str] | None:
     if python and os.path.normpath(python) not in allowed_pythons():
         return "python", (f"{python!r} is not an interpreter this install allows "
                           f"(LOCAL_BACKEND_PYTHONS)")
-    refused = sorted(name for name in env if name in RESERVED_ENV
-                     or name.startswith(RESERVED_ENV_PREFIXES))
+    refused = sorted(name for name in env if name.upper() in RESERVED_ENV
+                     or name.upper().startswith(RESERVED_ENV_PREFIXES)
+                     or any(part in name.upper() for part in RESERVED_ENV_PARTS))
     if refused:
         return "env", (f"{refused[0]} may not be set: it would change which code runs, "
                        f"or is the control plane's")
@@ -249,14 +262,14 @@ class LocalBackend:
                                         served_name=deployment.served_model_name(),
                                         port=port, host=self.config.host),
                    # Health probes would otherwise fill the log a person reads.
-                   "--disable-uvicorn-access-log"]
+                   "--disable-uvicorn-access-log", "--middleware", ENGINE_GUARD]
         # The key goes in the environment, not on the command line: a command line is
         # readable by every local user (ps) and is written to the log below.
         env = {**replica_environment(os.environ), "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **placement_env,
                **self.config.env, REPLICA_ENV_MARKER: replica.name,
                REPLICA_OWNER_ENV: str(settings.DATA_DIR),
-               ENGINE_KEY_ENV: deployment.engine_key()}
+               ENGINE_KEY_ENV: deployment.engine_key(), "PYTHONPATH": PROJECT_ROOT}
         with log_path.open("ab") as log:
             log.write(f"--- fleetplane: starting {replica.name}: {' '.join(command)}\n".encode())
             log.flush()

@@ -14,6 +14,7 @@ from asgiref.sync import sync_to_async
 from asgiref.testing import ApplicationCommunicator
 from channels.routing import URLRouter
 from django.contrib.auth.models import AnonymousUser, Group, User
+from django.db import connection
 
 from controlplane.asgi import websocket_urlpatterns
 from serving.models import UsageRecord
@@ -379,4 +380,29 @@ async def test_a_deactivated_users_dashboard_socket_closes() -> None:
     assert connected
     viewer.is_active = False
     await sync_to_async(viewer.save)()
+    assert await closed_with(communicator) == 4403
+
+
+async def test_a_socket_keeps_checking_access_after_the_database_failed_once(
+        settings: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A change made in another process is seen by the periodic check alone: a database
+    error in one check must not end the checks for good."""
+    settings.KEY_CACHE_SECONDS = 1
+    viewer = await make_user("gus", staff=False, role="viewer")
+    communicator, connected, _ = await connect("/ws/dashboard/", viewer)
+    assert connected
+
+    def rename(old: str, new: str) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(f"ALTER TABLE {old} RENAME TO {new}")
+
+    await sync_to_async(rename)("auth_user_groups", "auth_user_groups_away")
+    try:
+        async with asyncio.timeout(10):
+            while "could not re-check the access" not in caplog.text:
+                await asyncio.sleep(0.05)
+    finally:
+        await sync_to_async(rename)("auth_user_groups_away", "auth_user_groups")
+    # As another process would: no signal, no channel message, only the database.
+    await sync_to_async(User.objects.filter(pk=viewer.pk).update)(is_active=False)
     assert await closed_with(communicator) == 4403

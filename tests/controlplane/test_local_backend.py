@@ -91,6 +91,25 @@ def test_a_replica_refuses_a_request_without_its_key_and_the_backend_warms_it_up
     assert answered.status_code == 200
 
 
+def test_a_replica_refuses_every_path_but_health_and_metrics_without_its_key(
+        started: tuple[LocalBackend, Deployment, Replica]) -> None:
+    _, deployment, replica = started
+    chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2}
+    for path, body in (("/invocations", chat), ("/tokenize", {"prompt": "hi"})):
+        refused = httpx.post(f"{replica.endpoint}{path}", json=body, timeout=10)
+        assert (path, refused.status_code) == (path, 401)
+        assert refused.json() == {"error": "Unauthorized"}
+        answered = httpx.post(f"{replica.endpoint}{path}", json=body, timeout=10,
+                              headers={"Authorization": f"Bearer {deployment.engine_key()}"})
+        assert (path, answered.status_code) == (path, 200)
+    wrong = httpx.post(f"{replica.endpoint}/invocations", json=chat, timeout=10,
+                       headers={"Authorization": "Bearer not-the-key"})
+    assert wrong.status_code == 401
+    assert httpx.get(f"{replica.endpoint}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{replica.endpoint}/metrics", timeout=10).status_code == 200
+
+
 def test_each_deployment_has_its_own_key_and_the_key_is_not_on_the_command_line(
         started: tuple[LocalBackend, Deployment, Replica]) -> None:
     import psutil
@@ -112,6 +131,11 @@ def test_each_deployment_has_its_own_key_and_the_key_is_not_on_the_command_line(
     ({"env": {"LD_PRELOAD": "/tmp/x.so"}}, "env"),
     ({"env": {"PYTHONPATH": "/tmp/evil"}}, "env"),
     ({"env": {"VLLM_API_KEY": "mine"}}, "env"),
+    ({"env": {"VLLM_SERVER_DEV_MODE": "1"}}, "env"),
+    ({"env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}}, "env"),
+    ({"env": {"HOME": "/tmp/evil"}}, "env"),
+    ({"env": {"VLLM_PLUGINS": "evil"}}, "env"),
+    ({"env": {"VLLM_GENERAL_PLUGINS": "evil"}}, "env"),
 ])
 def test_a_local_backend_may_name_only_what_the_install_allows(
         admin_client: APIClient, config: dict[str, Any], field: str) -> None:

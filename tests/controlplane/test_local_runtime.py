@@ -150,6 +150,15 @@ def test_a_replica_refuses_a_request_without_its_key_and_the_gateway_still_serve
     wrong = httpx.post(f"{replica['endpoint']}/v1/completions", json=body, timeout=30,
                        headers={"Authorization": "Bearer not-the-key"})
     assert wrong.status_code == 401
+    # Nor on the paths vLLM's own key check leaves open: SageMaker's /invocations runs a
+    # chat completion, /tokenize reads the tokenizer. Liveness stays open.
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 3}
+    for path, payload in (("/invocations", chat), ("/tokenize", {"prompt": "Hello"})):
+        closed = httpx.post(f"{replica['endpoint']}{path}", json=payload, timeout=30)
+        assert (path, closed.status_code) == (path, 401)
+        assert closed.json() == {"error": "Unauthorized"}
+    assert httpx.get(f"{replica['endpoint']}/health", timeout=30).status_code == 200
     through = httpx.post(f"{plane.api.url}/v1/completions", json=body, timeout=120,
                          headers={"Authorization": f"Bearer {plane.inference_key}"})
     assert through.status_code == 200, through.text

@@ -12,6 +12,7 @@ from django.test import Client
 from rest_framework.test import APIClient
 
 from controlplane.models import AuditEvent, Backend, Replica
+from models_registry.models import Model
 from tests.factories import make_backend, make_deployment, make_model
 
 pytestmark = pytest.mark.django_db
@@ -119,3 +120,40 @@ def test_the_django_admin_shows_backends_replicas_and_deployments_without_secret
     # Shown, not edited there: a change would skip the allow-lists and the audit log.
     assert client.post(f"/admin/controlplane/backend/{backend.pk}/change/",
                        {"name": "edge", "kind": "external"}).status_code == 403
+
+
+def test_the_django_admin_refuses_changes_to_deployments_models_and_the_audit_log(
+        replica: Replica, django_user_model: Any) -> None:
+    client = Client()
+    client.force_login(django_user_model.objects.create_superuser("root", password="pw"))
+    deployment = replica.deployment
+    model = deployment.model
+    Model.objects.filter(pk=model.pk).update(source_uri=EXTERNAL["url"],
+                                             error=f"GET {EXTERNAL['url']}: 401")
+    event = AuditEvent.objects.create(
+        actor="root", action="backend-updated", deployment=deployment,
+        message=f"moved to {EXTERNAL['url']}", before={"config": EXTERNAL},
+        after={"config": {**EXTERNAL, "url": "https://bob:hunter2@llm2.example.com"}})
+    # A change here would skip engine-args validation (--trust-remote-code, --api-key),
+    # the model import roots and the audit log; an audit event is never rewritten.
+    refused = [
+        client.post(f"/admin/controlplane/deployment/{deployment.pk}/change/", {
+            "name": "demo", "engine_args": '{"extra_args": ["--trust-remote-code"]}'}),
+        client.post(f"/admin/models_registry/model/{model.pk}/change/", {
+            "name": model.name, "path": "/etc"}),
+        client.post(f"/admin/controlplane/auditevent/{event.pk}/change/", {
+            "actor": "someone-else", "message": "nothing happened"}),
+        client.post(f"/admin/controlplane/auditevent/{event.pk}/delete/", {"post": "yes"}),
+    ]
+    assert [answer.status_code for answer in refused] == [403] * 4
+    deployment.refresh_from_db()
+    assert "extra_args" not in deployment.engine_args
+    assert Model.objects.get(pk=model.pk).path != "/etc"
+    assert AuditEvent.objects.get(pk=event.pk).actor == "root"
+    pages = [client.get(url) for url in (
+        "/admin/controlplane/auditevent/", f"/admin/controlplane/auditevent/{event.pk}/change/",
+        f"/admin/models_registry/model/{model.pk}/change/")]
+    assert [page.status_code for page in pages] == [200] * 3
+    text = "".join(page.content.decode() for page in pages)
+    assert "bob:***@llm.example.com" in text
+    assert_no_secret(text)

@@ -27,3 +27,16 @@ def test_metrics_need_the_bearer_token_when_one_is_set(gateway_url: str,
 def test_metrics_are_open_without_a_token(gateway_url: str, settings: Any) -> None:
     settings.METRICS_TOKEN = ""
     assert httpx.get(f"{gateway_url}/metrics", timeout=10).status_code == 200
+
+
+def test_metrics_take_the_bearer_scheme_in_any_case(gateway_url: str, settings: Any) -> None:
+    settings.METRICS_TOKEN = "scrape-me-0123456789"
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        scraped = httpx.get(f"{gateway_url}/metrics", timeout=10,
+                            headers={"Authorization": f"{scheme} scrape-me-0123456789"})
+        assert (scheme, scraped.status_code) == (scheme, 200)
+    for given in ("Basic scrape-me-0123456789", "bearer SCRAPE-ME-0123456789",
+                  "scrape-me-0123456789"):
+        refused = httpx.get(f"{gateway_url}/metrics", timeout=10,
+                            headers={"Authorization": given})
+        assert (given, refused.status_code) == (given, 401)

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import sys
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,10 @@ from controlplane.services import ensure_local_admin
 from models_registry.services import recover_interrupted_imports
 
 INITIAL_PASSWORD_FILE = "initial-admin-password"
+# How long a stopping server waits for the gateway's buffered usage records to be written.
+USAGE_FLUSH_ON_STOP_SECONDS = 5.0
+
+logger = logging.getLogger(__name__)
 
 
 def write_owner_only(path: Path, text: str) -> Path:
@@ -97,13 +103,47 @@ class Command(BaseCommand):
                                 # Frames between WEBSOCKET_MAX_MESSAGE_BYTES and this get an
                                 # error message from the consumer; above it the socket closes.
                                 ws_max_size=4 * settings.WEBSOCKET_MAX_MESSAGE_BYTES)
-        server = uvicorn.Server(config)
+
+        class Server(uvicorn.Server):
+            # uvicorn re-raises the SIGINT/SIGTERM it caught as soon as serve() returns,
+            # which ends the process before anything after it runs: the signals are
+            # captured around the whole shutdown below instead.
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        server = Server(config)
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(server.serve())]
-        if controllers:
-            tasks.append(asyncio.create_task(run_controllers(stop)))
-        await tasks[0]
-        # uvicorn handled SIGINT/SIGTERM and returned; stop the controllers too. Replica
-        # processes keep running and are adopted at the next start.
-        stop.set()
-        await asyncio.gather(*tasks[1:], return_exceptions=True)
+        with uvicorn.Server.capture_signals(server):
+            tasks = [asyncio.create_task(server.serve())]
+            if controllers:
+                tasks.append(asyncio.create_task(run_controllers(stop)))
+            await tasks[0]
+            # uvicorn handled SIGINT/SIGTERM, let the requests in flight finish and
+            # returned: write the usage records they left buffered, then stop the
+            # controllers too. Replica processes keep running and are adopted at the next
+            # start. Leaving this block re-raises the signal, as uvicorn does.
+            await flush_usage(USAGE_FLUSH_ON_STOP_SECONDS)
+            stop.set()
+            await asyncio.gather(*tasks[1:], return_exceptions=True)
+
+
+async def flush_usage(timeout: float) -> None:
+    """Write the gateway's buffered usage records (lifespan is off, so nothing else does
+    at shutdown), in this event loop, giving up after `timeout` seconds."""
+    from serving.gateway import gateway
+
+    writer = gateway.usage
+    if writer is None:
+        return
+    try:
+        written = await asyncio.wait_for(writer.flush(), timeout)
+    except TimeoutError:
+        logger.warning("buffered usage records were not written within %.0f s of "
+                       "stopping and are lost", timeout)
+        return
+    if writer.buffer:  # the database was out of reach: flush() kept them
+        logger.warning("could not write %d usage records before stopping",
+                       len(writer.buffer))
+    elif written:
+        logger.info("wrote %d buffered usage records before stopping", written)
