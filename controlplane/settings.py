@@ -53,6 +53,9 @@ if not DEBUG and len(_secret) < 50:
 # The embedded default has no secret to keep across restarts beyond sessions; a fixed
 # development key is acceptable there and refused in production above.
 SECRET_KEY = _secret or "django-insecure-embedded-default-key-do-not-use-in-production-0123456789"
+# Earlier secret keys, while rotating: sessions signed and engine keys sealed under them
+# still open (serving/sealing.py).
+SECRET_KEY_FALLBACKS = env_list("SECRET_KEY_FALLBACKS")
 
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"] if DEBUG else [])
 if not DEBUG and not ALLOWED_HOSTS:

@@ -82,3 +82,12 @@ def test_the_deploy_check_passes_in_production(tmp_path: Path) -> None:
                     REDIS_URL="redis://127.0.0.1:6379/0")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no issues" in result.stdout
+
+
+def test_earlier_secret_keys_for_a_rotation_come_from_the_environment(
+        tmp_path: Path) -> None:
+    result = manage("shell", "-c", "from django.conf import settings; "
+                    "print(len(settings.SECRET_KEY_FALLBACKS))", tmp_path=tmp_path,
+                    DEBUG="true", SECRET_KEY_FALLBACKS=f"{'a' * 50},{'b' * 50}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "2"
