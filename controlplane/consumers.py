@@ -318,13 +318,8 @@ class PlaygroundConsumer(GuardedConsumer):
 
     async def generate(self, ident: str, pool: Any, body: dict[str, Any]) -> None:
         from serving import metrics
-        from serving.gateway import (
-            GatewayError,
-            Timing,
-            estimate_prompt_tokens,
-            gateway,
-            prompt_prefix,
-        )
+        from serving.calls import GatewayError, estimate_prompt_tokens, prompt_prefix
+        from serving.gateway import Timing, gateway
         from serving.upstream import UpstreamError
 
         timing = Timing()
