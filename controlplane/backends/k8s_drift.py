@@ -71,8 +71,8 @@ def _compare(wanted: Any, live: Any, path: str, fields: tuple[tuple[str, Any], .
 def _same_quantity(fields: tuple[tuple[str, Any], ...], wanted: Any, live: Any) -> bool:
     if not fields or not isinstance(live, str | int | float) or isinstance(live, bool):
         return False
-    key = fields[-1][1]
-    parent = fields[-2][1] if len(fields) > 1 else ""
+    key = fields[-1][1] if fields[-1][0] == "f" else ""
+    parent = fields[-2][1] if len(fields) > 1 and fields[-2][0] == "f" else ""
     if key not in QUANTITY_KEYS and parent not in QUANTITY_PARENTS:
         return False
     from kubernetes.utils import parse_quantity

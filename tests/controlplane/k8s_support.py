@@ -29,10 +29,10 @@ def serve_version(emulated: EmulatedCluster, minor: str = "36") -> None:
 
 
 def deployment_factory(emulated: EmulatedCluster, tmp_path: Any, settings: Any,
-                       **config: Any) -> Callable[..., Deployment]:
+                       minor: str = "36", **config: Any) -> Callable[..., Deployment]:
     settings.RESTART_BACKOFF_BASE_SECONDS = 0.2
     settings.RESTART_BACKOFF_MAX_SECONDS = 0.4
-    serve_version(emulated)
+    serve_version(emulated, minor)
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", emulated.url)
     record = make_backend("gpus", "kubernetes", {
         "namespace": "inference", "kubeconfig": kubeconfig, "model_source": "pvc",

@@ -287,3 +287,15 @@ def test_pods_are_warmed_up_before_they_serve(
     assert Replica.objects.get(name="chat-3").phase == Replica.Phase.WARMING
     [pool] = current_pools()
     assert len(pool.replicas) == 2
+
+
+def test_an_api_server_older_than_1_30_is_refused_on_the_deployment(
+        emulated: EmulatedCluster, tmp_path: Any, settings: Any) -> None:
+    deployment = deployment_factory(emulated, tmp_path, settings, minor="29")(replicas=1)
+    Reconciler().reconcile_all()
+    deployment.refresh_from_db()
+    degraded = deployment.condition("Degraded")
+    assert degraded is not None and degraded["status"] == "True"
+    assert ("the API server runs Kubernetes v1.29.0; this backend needs 1.30 or later"
+            in degraded["message"])
+    assert emulated.stored("apps/v1/deployments", "inference", "chat") is None
