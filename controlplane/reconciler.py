@@ -77,6 +77,10 @@ class Reconciler:
         # per deployment the failed applies (count, monotonic time of the next try, why).
         self.unreadable: dict[int, str] = {}
         self.apply_failures: dict[int, tuple[int, float, str]] = {}
+        # Per deployment: the platform's messages already told (events once each), and
+        # the members whose drain holds the count (for the event when it ends).
+        self.platform_said: dict[int, set[str]] = {}
+        self.holding: dict[int, set[str]] = {}
 
     # --- the pass --------------------------------------------------------------------
 
@@ -349,17 +353,43 @@ class Reconciler:
                 deployment.delete()
                 return True
             return self.write_status(deployment, replicas, problems) or changed
+        hold = None
         if not backend.scales_itself():
             changed |= self.mark_victims(deployment, backend, replicas, members)
+            members = {m.name: m for m in backend.members(deployment)}  # marks seen at once
+            hold = self.drain_hold(deployment, backend, replicas, members)
         changed |= self.assign_roles(
             deployment, [r for r in replicas if r.pod_name in members], load=backend.in_flight,
             relabel=lambda replica, role: backend.set_role(deployment, replica, role),
             leaving=frozenset(n for n, m in members.items() if m.removal_marked),
             everyone=backend.scales_itself())
-        changed |= self.apply_spec(deployment, backend, problems)
+        changed |= self.apply_spec(deployment, backend, problems, replicas=hold)
         problems += [f"{r.name}: {r.last_error}" for r in replicas
                      if r.phase != Replica.Phase.FAILED and r.last_error]
+        problems += self.platform_problems(deployment, backend, replicas)
         return self.write_status(deployment, replicas, problems) or changed
+
+    def platform_problems(self, deployment: Deployment, backend: PodSetBackend,
+                          replicas: list[Replica]) -> list[str]:
+        """The platform's own words on why members are missing or failing (a quota, Pod
+        Security, scheduling, volumes, images, OOM kills), less what a replica's message
+        already says; each distinct message is an event once, while it lasts."""
+        told = [r.last_error.split(": ", 1)[1] for r in replicas
+                if ": " in r.last_error]
+        found = [p for p in backend.problems(deployment)
+                 if not any(tail and tail in p for tail in told)]
+        said = self.platform_said.get(deployment.pk, set())
+        now: set[str] = set()
+        for problem in found:
+            key = problem.split(": ", 1)[-1]  # not the names: a new pod, the same trouble
+            if key not in said and key not in now:
+                event(deployment, "platform-warning", problem)
+            now.add(key)
+        if now:
+            self.platform_said[deployment.pk] = now
+        else:
+            self.platform_said.pop(deployment.pk, None)
+        return found
 
     def sync_members(self, deployment: Deployment, backend: PodSetBackend,
                      replicas: list[Replica], members: dict[str, Member]) -> bool:
@@ -395,7 +425,7 @@ class Reconciler:
             "generation": member.generation or row.generation,
             "restart_count": member.restarts}
         phase = member.phase
-        if member.deleting:
+        if member.deleting or member.removal_marked:  # going: no new requests
             phase = Replica.Phase.DRAINING
         elif phase == Replica.Phase.READY and row.phase != Replica.Phase.READY:
             try:
@@ -433,13 +463,30 @@ class Reconciler:
     def mark_victims(self, deployment: Deployment, backend: PodSetBackend,
                      replicas: list[Replica], members: dict[str, Member]) -> bool:
         """Before the count is lowered, choose who goes: standby members first (those not
-        ready before ready ones), then the least loaded active ones."""
+        ready before ready ones), then the least loaded active ones. A chosen member is
+        marked to go first (the pod-deletion cost) and leaves routing at once (draining);
+        the count is lowered once its streams are done (drain_hold). Members chosen
+        stay chosen while the excess lasts; if the count rises again first, the ready
+        ones among them are kept and serve again."""
         wanted = deployment.desired_replicas() + deployment.desired_standby()
         candidates = [r for r in replicas if r.generation == deployment.generation
                       and r.pod_name in members and not members[r.pod_name].deleting]
-        excess = len(candidates) - wanted
-        if excess <= 0 or not wanted:  # to zero: every pod goes, no choice to make
-            return False
+        excess = max(len(candidates) - wanted, 0)
+        marked = sorted((r for r in candidates if members[r.pod_name].removal_marked),
+                        key=lambda r: members[r.pod_name].phase == Replica.Phase.READY)
+        changed = False
+        for replica in marked[excess:]:  # the count rose again: ready ones first
+            try:
+                backend.mark_for_removal(replica, marked=False)
+            except BackendError as exc:
+                logger.warning("unmarking %s failed: %s", replica.name, exc)
+                continue
+            event(deployment, "replica-kept", f"{replica.name} stays: the count rose again "
+                  f"before it was removed", replica=replica)
+            changed = True
+        needed = excess - len(marked)
+        if needed <= 0:
+            return changed
 
         def order(replica: Replica) -> tuple[int, int, int]:
             standby = replica.role == Replica.Role.STANDBY
@@ -447,19 +494,50 @@ class Reconciler:
             load = backend.in_flight(replica) if ready and not standby else 0
             return (0 if standby else 1, 1 if ready else 0, load if load is not None else 0)
 
-        changed = False
-        for victim in sorted(candidates, key=order)[:excess]:
-            if members[victim.pod_name].removal_marked:
-                continue
+        seconds = settings.DRAIN_TIMEOUT_SECONDS
+        unmarked = [r for r in candidates if not members[r.pod_name].removal_marked]
+        for victim in sorted(unmarked, key=order)[:needed]:
             try:
                 backend.mark_for_removal(victim)
             except BackendError as exc:
                 logger.warning("marking %s for removal failed: %s", victim.name, exc)
                 continue
-            event(deployment, "replica-chosen", f"{victim.name} goes first at the scale-down",
-                  replica=victim)
+            serving = victim.phase == Replica.Phase.READY
+            self.save(victim, phase=Replica.Phase.DRAINING,
+                      drain_deadline=timezone.now() + timedelta(seconds=seconds))
+            event(deployment, "replica-chosen", f"{victim.name} goes at the scale-down" + (
+                f": it takes no new requests and finishes its streams (up to {seconds} s) "
+                f"before the count is lowered" if serving else ""), replica=victim)
             changed = True
         return changed
+
+    def drain_hold(self, deployment: Deployment, backend: PodSetBackend,
+                   replicas: list[Replica], members: dict[str, Member]) -> int | None:
+        """The count to keep while members chosen to go still have requests in flight
+        and their drain deadline (DRAIN_TIMEOUT_SECONDS, as for local replicas) has not
+        passed; None once the count may be lowered. A released drain is not held again
+        (its deadline is set to now, in the database, so a restart keeps it)."""
+        marked = [r for r in replicas if r.pod_name in members
+                  and members[r.pod_name].removal_marked and not members[r.pod_name].deleting]
+        if not marked:
+            self.holding.pop(deployment.pk, None)
+            return None
+        now = timezone.now()
+        busy = [r for r in marked if r.drain_deadline is not None and now < r.drain_deadline
+                and (backend.in_flight(r) or 0) > 0]
+        if busy:
+            self.holding[deployment.pk] = {r.name for r in marked}
+            return deployment.desired_replicas() + deployment.desired_standby() + len(marked)
+        held = self.holding.pop(deployment.pk, set())
+        for replica in marked:
+            late = replica.drain_deadline is None or replica.drain_deadline <= now
+            if not late:
+                self.save(replica, drain_deadline=now)
+            if replica.name in held:
+                event(deployment, "replica-drained", f"{replica.name} " + (
+                    "reached its drain deadline" if late else "finished its streams")
+                    + ": the count is lowered", replica=replica)
+        return None
 
     def assign_roles(self, deployment: Deployment, replicas: list[Replica], *,
                      load: Callable[[Replica], int | None],
@@ -502,14 +580,16 @@ class Reconciler:
         return changed
 
     def apply_spec(self, deployment: Deployment, backend: PodSetBackend,
-                   problems: list[str]) -> bool:
-        """Apply spec and count; after a failure, again only once its backoff has passed."""
+                   problems: list[str], replicas: int | None = None) -> bool:
+        """Apply spec and count (`replicas`: the count held while chosen members drain);
+        after a failure, again only once its backoff has passed. What the apply put
+        back or handed over becomes the deployment's events."""
         failure = self.apply_failures.get(deployment.pk)
         if failure and time.monotonic() < failure[1]:
             problems.append(failure[2])
             return False
         try:
-            wrote = backend.apply(deployment)
+            wrote = backend.apply(deployment, replicas=replicas)
         except BackendError as exc:
             count = failure[0] + 1 if failure else 1
             delay = restart_backoff(count).total_seconds()
@@ -524,7 +604,10 @@ class Reconciler:
         if wrote:
             event(deployment, "applied", f"applied generation {deployment.generation}: "
                   f"{deployment.desired_replicas()} active, {deployment.desired_standby()} "
-                  f"standby")
+                  f"standby" + (f" ({replicas} pods while the ones chosen to go drain)"
+                                if replicas is not None else ""))
+        for action, message in backend.notices(deployment):
+            event(deployment, action, message)
         return wrote
 
     # --- counts ----------------------------------------------------------------------

@@ -104,10 +104,19 @@ class PodSetBackend(Protocol):
     def members(self, deployment: Deployment) -> list[Member]:
         """The deployment's servers as of the last refresh."""
 
-    def apply(self, deployment: Deployment) -> bool:
+    def apply(self, deployment: Deployment, replicas: int | None = None) -> bool:
         """Make the platform hold the deployment's spec and count (desired active plus
-        standby); True when it had to write. Raises BackendError with the platform's
-        message."""
+        standby, or `replicas` while members chosen to go still drain); put back what
+        others changed in it; True when it had to write. Raises BackendError with the
+        platform's message."""
+
+    def problems(self, deployment: Deployment) -> list[str]:
+        """Why members are missing or failing, in the platform's words, as of the last
+        refresh (each distinct message once)."""
+
+    def notices(self, deployment: Deployment) -> list[tuple[str, str]]:
+        """(action, message) of what the last apply did that a person should hear about
+        (drift put back, a handover to an autoscaler); each is given once."""
 
     def scales_itself(self) -> bool:
         """True when the platform sets the count (a native autoscaler)."""
@@ -115,8 +124,9 @@ class PodSetBackend(Protocol):
     def set_role(self, deployment: Deployment, replica: Replica, role: str) -> None:
         """Label a member active (takes traffic) or standby; no restart."""
 
-    def mark_for_removal(self, replica: Replica) -> None:
-        """Make this member among the first to go when the count is next lowered."""
+    def mark_for_removal(self, replica: Replica, marked: bool = True) -> None:
+        """Make this member among the first to go when the count is next lowered (or,
+        with marked=False, no longer)."""
 
     def remove(self, deployment: Deployment) -> bool:
         """Delete everything made for the deployment; True once nothing is left."""

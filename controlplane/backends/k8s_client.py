@@ -1,8 +1,10 @@
 """The Kubernetes backend's calls to the API server, through the official `kubernetes`
-client: server-side apply under one field manager, the pods of a deployment, the
-pod-deletion cost that picks which pods a scale-down removes, and removal of everything
-made for a deployment (selected by owner labels, and checked again here before each
-delete, so nothing else is ever touched).
+client: the server's version, server-side apply under one field manager (and the
+handover manager of an autoscaler switch), the live objects made for deployments (whole,
+so drift can be found), the pods of a deployment, their ReplicaSets and the namespace's
+events (why pods are missing or failing), the pod-deletion cost that picks which pods a
+scale-down removes, and removal of everything made for a deployment (selected by owner
+labels, and checked again here before each delete, so nothing else is ever touched).
 
 Every failure becomes a ClusterError carrying the API server's status and message, for the
 deployment's conditions.
@@ -20,6 +22,8 @@ from controlplane.backends.k8s_manifests import FIELD_MANAGER, KubernetesConfig
 from controlplane.backends.k8s_pods import DELETION_COST
 
 REQUEST_TIMEOUT = 30.0
+# The pods' preStop hook uses the `sleep` action, which Kubernetes serves from 1.30 on.
+MINIMUM_VERSION = (1, 30)
 
 
 class ClusterError(BackendError):
@@ -31,6 +35,10 @@ class ClusterError(BackendError):
 
     def __str__(self) -> str:
         return f"HTTP {self.status}: {self.message}" if self.status else self.message
+
+
+class ServerTooOld(ClusterError):
+    """The API server runs a Kubernetes older than this backend needs."""
 
 
 def _error(exc: Exception, doing: str) -> ClusterError:
@@ -105,6 +113,7 @@ class Cluster:
     def __init__(self, config: KubernetesConfig, client: Any) -> None:
         self.config = config
         self.client = client
+        self.keda_absent = False  # KEDA's API answered 403 or 404
 
     def _call(self, kind: Kind, method: str, doing: str, *args: Any, **kwargs: Any) -> Any:
         from kubernetes import client as k8s
@@ -117,53 +126,110 @@ class Cluster:
         except Exception as exc:
             raise _error(exc, doing) from None
 
-    def apply(self, obj: dict[str, Any]) -> None:
-        """Server-side apply: create or update, the fields this manager sets."""
+    def server_version(self) -> dict[str, Any]:
+        """The API server's /version answer (major, minor, gitVersion ...)."""
+        from kubernetes import client as k8s
+
+        try:
+            response: Any = k8s.VersionApi(self.client).get_code(
+                _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+            answer = json.loads(response.data or b"{}")
+        except Exception as exc:
+            raise _error(exc, "reading the API server's version") from None
+        return answer if isinstance(answer, dict) else {}
+
+    def apply(self, obj: dict[str, Any], *, manager: str = FIELD_MANAGER,
+              force: bool = True) -> None:
+        """Server-side apply: create or update the fields this manager sets. `force`
+        takes fields another manager set to another value (the backend's own fields
+        only: it applies nothing else); without it such a field is a 409 Conflict."""
         name = obj["metadata"]["name"]
         if (obj["apiVersion"], obj["kind"]) == ("keda.sh/v1alpha1", "ScaledObject"):
             self._custom("patch_namespaced_custom_object", f"applying ScaledObject {name}",
-                         name, obj, field_manager=FIELD_MANAGER, force=True,
+                         name, obj, field_manager=manager, force=force,
                          _content_type="application/apply-patch+yaml")
             return
         kind = KINDS.get((obj["apiVersion"], obj["kind"]))
         if kind is None:
             raise ClusterError(0, f"cannot apply a {obj['apiVersion']} {obj['kind']}")
         self._call(kind, kind.patch, f"applying {obj['kind']} {name}", name,
-                   self.config.namespace, obj, field_manager=FIELD_MANAGER, force=True,
+                   self.config.namespace, obj, field_manager=manager, force=force,
                    _content_type="application/apply-patch+yaml")
 
     def _listed(self, kind: Kind, kind_name: str, labels: dict[str, str]
                 ) -> list[dict[str, Any]]:
-        """The metadata of every object of one kind that carries all these labels (checked
-        here too: the stand-in API server ignores selectors, and nothing without every
-        owner label may ever be touched)."""
+        """Every object of one kind that carries all these labels, whole, as plain dicts
+        with the API's own field names (checked here too: nothing without every owner
+        label may ever be touched)."""
         if kind_name == "ScaledObject":
             answer = self._custom("list_namespaced_custom_object", "listing ScaledObjects",
                                   label_selector=selector(labels))
-            items = [item.get("metadata") or {} for item in answer.get("items") or []]
+            items = list(answer.get("items") or [])
         else:
-            answer = self._call(kind, kind.read_list, f"listing {kind_name}s",
-                                self.config.namespace, label_selector=selector(labels))
-            items = [{"name": item.metadata.name, "labels": item.metadata.labels,
-                      "annotations": item.metadata.annotations} for item in answer.items or []]
+            items = self._raw_list(kind, kind.read_list, f"listing {kind_name}s",
+                                   label_selector=selector(labels))
         return [item for item in items if all(
-            (item.get("labels") or {}).get(key) == value for key, value in labels.items())]
+            ((item.get("metadata") or {}).get("labels") or {}).get(key) == value
+            for key, value in labels.items())]
+
+    def _raw_list(self, kind: Kind, method: str, doing: str, **kwargs: Any
+                  ) -> list[dict[str, Any]]:
+        """A list's items as the server sent them (faster than the typed models, and
+        nothing the models do not know is lost)."""
+        response = self._call(kind, method, doing, self.config.namespace,
+                              _preload_content=False, **kwargs)
+        try:
+            answer = json.loads(response.data or b"{}")
+        except ValueError:
+            raise ClusterError(0, f"{doing}: the API server's answer is not JSON") from None
+        return [item for item in answer.get("items") or [] if isinstance(item, dict)]
 
     def kinds(self) -> list[tuple[str, Kind]]:
-        """The kinds this backend makes; KEDA's only where the configuration uses it (its
-        API exists only where KEDA is installed)."""
+        """The kinds this backend makes. KEDA's where the configuration uses it, and also
+        elsewhere until its API answers 403 or 404 (it exists only where KEDA is
+        installed): a backend switched from KEDA to another scaling still finds, and
+        removes, the ScaledObjects it made."""
         kinds = [(name, kind) for (_, name), kind in KINDS.items()]
-        if self.config.scaling == "keda":
+        if self.config.scaling == "keda" or not self.keda_absent:
             kinds.append(("ScaledObject", KEDA))
         return kinds
+
+    def live(self, labels: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
+        """(kind, object) of every object carrying these labels, as the server holds it."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        for kind_name, kind in self.kinds():
+            try:
+                items = self._listed(kind, kind_name, labels)
+            except ClusterError as exc:
+                if kind is KEDA and self.config.scaling != "keda" and exc.status in (403,
+                                                                                     404):
+                    self.keda_absent = True
+                    continue
+                raise
+            found += [(kind_name, item) for item in items]
+        return found
 
     def managed(self, labels: dict[str, str]) -> list[tuple[str, str, dict[str, str],
                                                              dict[str, str]]]:
         """(kind, name, labels, annotations) of every object carrying these labels."""
-        return [(kind_name, str(item.get("name")), dict(item.get("labels") or {}),
-                 dict(item.get("annotations") or {}))
-                for kind_name, kind in self.kinds()
-                for item in self._listed(kind, kind_name, labels)]
+        return [(kind_name, str(metadata.get("name")), dict(metadata.get("labels") or {}),
+                 dict(metadata.get("annotations") or {}))
+                for kind_name, item in self.live(labels)
+                for metadata in [item.get("metadata") or {}]]
+
+    def replica_sets(self, labels: dict[str, str]) -> list[dict[str, Any]]:
+        """The ReplicaSets whose pods carry these labels (their labels are the pod
+        template's), as plain dicts."""
+        items = self._raw_list(APPS, "list_namespaced_replica_set", "listing ReplicaSets",
+                               label_selector=selector(labels))
+        return [item for item in items if all(
+            ((item.get("metadata") or {}).get("labels") or {}).get(key) == value
+            for key, value in labels.items())]
+
+    def events(self) -> list[dict[str, Any]]:
+        """The namespace's warning events (core/v1), as plain dicts."""
+        return self._raw_list(CORE, "list_namespaced_event", "listing events",
+                              field_selector="type=Warning")
 
     def delete(self, kind_name: str, name: str) -> None:
         """Remove one object this backend made (gone already is fine)."""
@@ -266,6 +332,30 @@ def selector(labels: dict[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
+def check_server_version(info: dict[str, Any]) -> None:
+    """Refuse an API server older than MINIMUM_VERSION, naming what it runs. Providers
+    write minor versions such as "30+"; only the leading digits count."""
+    def number(value: Any) -> int | None:
+        digits = ""
+        for char in str(value or ""):
+            if not char.isdigit():
+                break
+            digits += char
+        return int(digits) if digits else None
+
+    major, minor = number(info.get("major")), number(info.get("minor"))
+    shown = str(info.get("gitVersion") or f"{info.get('major')}.{info.get('minor')}")
+    needed = ".".join(map(str, MINIMUM_VERSION))
+    if major is None or minor is None:
+        raise ServerTooOld(0, f"the API server did not say its version ({shown}); this "
+                              f"backend needs Kubernetes {needed} or later")
+    if (major, minor) < MINIMUM_VERSION:
+        raise ServerTooOld(0, f"the API server runs Kubernetes {shown}; this backend needs "
+                              f"{needed} or later (the pods' preStop hook sleeps, an action "
+                              f"Kubernetes serves from 1.30 on)")
+
+
 CORE = Kind("CoreV1Api", "", "", "")
+APPS = Kind("AppsV1Api", "", "", "")
 KEDA = Kind("CustomObjectsApi", "patch_namespaced_custom_object",
             "list_namespaced_custom_object", "delete_namespaced_custom_object")

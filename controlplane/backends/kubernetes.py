@@ -2,11 +2,14 @@
 headless Service, a PodDisruptionBudget and, with native scaling, an HPA or a KEDA
 ScaledObject), applied by server-side apply; its pods are the replicas.
 
-The backend keeps no per-replica processes. Once per reconcile pass `refresh` reads what
-is applied (one list per kind) and the pods (from a watch kept open in a thread: list,
-then watch from the list's resourceVersion, re-list on 410 Gone, reconnect with backoff).
-`apply` writes only when the rendered objects differ from what the cluster holds, compared
-through a hash annotation, so a resync with nothing changed sends no write request.
+The backend keeps no per-replica processes. Once per client it checks the API server's
+version (1.30 or later). Once per reconcile pass `refresh` reads what is applied (one list
+per kind, the objects whole) and the pods (from a watch kept open in a thread: list, then
+watch from the list's resourceVersion, re-list on 410 Gone, reconnect with backoff), and,
+while a deployment is not fully ready, why (ReplicaSets and warning events). `apply`
+writes only the objects whose rendering changed (a hash annotation) or whose live fields
+differ from the rendered ones (drift: put back, and told with the manager that changed
+them), so a resync with nothing changed sends no write request.
 """
 
 from __future__ import annotations
@@ -15,14 +18,23 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from controlplane.backends import vllm_http
+from controlplane.backends import k8s_drift, k8s_failures, vllm_http
 from controlplane.backends.base import BackendConfigError, BackendError, Member
-from controlplane.backends.k8s_client import Cluster, ClusterError, Watch, api_client
+from controlplane.backends.k8s_client import (
+    Cluster,
+    ClusterError,
+    ServerTooOld,
+    Watch,
+    api_client,
+    check_server_version,
+)
 from controlplane.backends.k8s_manifests import (
+    FIELD_MANAGER,
     ID_LABEL,
     MANAGED_BY,
     ROLE_LABEL,
@@ -31,7 +43,7 @@ from controlplane.backends.k8s_manifests import (
     owner_labels,
     render,
 )
-from controlplane.backends.k8s_pods import observe_pod
+from controlplane.backends.k8s_pods import DELETION_COST, observe_pod
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -45,6 +57,14 @@ MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 # Victims of the next scale-down get this pod-deletion cost (the default is 0).
 REMOVAL_COST = -1000
 WATCH_SECONDS = 300
+# The manager that holds `spec.replicas` while an autoscaler takes it over.
+HANDOVER_MANAGER = "fleetplane-handover"
+OUR_MANAGERS = (FIELD_MANAGER, HANDOVER_MANAGER)
+AUTOSCALERS = ("HorizontalPodAutoscaler", "ScaledObject")
+# ReplicaSets and events are read at most this often, and only while a deployment is
+# not fully ready.
+TROUBLE_READ_SECONDS = 10.0
+VERSION_RECHECK_SECONDS = 60.0
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
 
 
@@ -165,9 +185,18 @@ class KubernetesBackend:
         self.on_change = on_change
         self._cluster: Cluster | None = None
         self.watcher: PodWatcher | None = None
-        # As of the last refresh, per deployment id: applied objects -> their hash; pods.
-        self.objects: dict[str, dict[tuple[str, str], str]] = {}
+        self.version_ok = False  # the API server's version was checked, once per client
+        self.version_refused: tuple[float, ServerTooOld] | None = None
+        # As of the last refresh, per deployment id: the live objects; the pods; troubles.
+        self.live: dict[str, dict[tuple[str, str], dict[str, Any]]] = {}
         self.pods: dict[str, list[dict[str, Any]]] = {}
+        self.troubles: dict[str, list[str]] = {}
+        self.troubles_read_at = float("-inf")
+        self.replica_sets: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        # What the last apply did that a person should hear about (drift put back, a
+        # handover to an autoscaler), per deployment id, until the reconciler takes it.
+        self.notes: dict[str, list[tuple[str, str]]] = {}
         self.writes = 0  # write requests sent (the benchmark checks a resync sends none)
         self.http = httpx.Client(limits=httpx.Limits(max_connections=64))
 
@@ -183,12 +212,29 @@ class KubernetesBackend:
 
     # --- reading ---------------------------------------------------------------------
 
+    def check_version(self, cluster: Cluster) -> None:
+        """Once per client: refuse an API server older than Kubernetes 1.30 (a refusal
+        is asked again after a minute, so an upgraded server is taken)."""
+        if self.version_ok:
+            return
+        now = time.monotonic()
+        if self.version_refused and now - self.version_refused[0] < VERSION_RECHECK_SECONDS:
+            raise self.version_refused[1]
+        try:
+            check_server_version(cluster.server_version())
+        except ServerTooOld as exc:
+            self.version_refused = (now, exc)
+            raise
+        self.version_ok, self.version_refused = True, None
+
     def refresh(self) -> None:
         cluster = self.cluster()
-        objects: dict[str, dict[tuple[str, str], str]] = {}
-        for kind, name, labels, notes in cluster.managed(MANAGED):
-            objects.setdefault(labels.get(ID_LABEL, ""), {})[kind, name] = notes.get(
-                HASH_ANNOTATION, "")
+        self.check_version(cluster)
+        live: dict[str, dict[tuple[str, str], dict[str, Any]]] = {}
+        for kind, obj in cluster.live(MANAGED):
+            metadata = obj.get("metadata") or {}
+            live.setdefault(str((metadata.get("labels") or {}).get(ID_LABEL, "")), {})[
+                kind, str(metadata.get("name") or "")] = obj
         if self.watch and self.watcher is None:
             self.watcher = PodWatcher(cluster, self.on_change).start()
         if self.watcher and self.watcher.synced:
@@ -199,37 +245,142 @@ class KubernetesBackend:
         for pod in pods:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             by_id.setdefault(str(labels.get(ID_LABEL, "")), []).append(pod)
-        self.objects, self.pods = objects, by_id
+        self.live, self.pods = live, by_id
+        self.read_troubles(cluster)
+
+    def read_troubles(self, cluster: Cluster) -> None:
+        """Why pods are missing or failing, for the deployments not fully ready only, and
+        read (ReplicaSets, the namespace's warning events: one list each) at most every
+        TROUBLE_READ_SECONDS; a failure to read them is logged, never fatal."""
+        waiting: dict[str, set[str]] = {}
+        for key in set(self.live) | set(self.pods):
+            deployment = self.deployment_object(key)
+            status = (deployment or {}).get("status") or {}
+            members = [observe_pod(p) for p in self.pods.get(key, [])]
+            not_ready = {m.name for m in members if m.phase != "ready" and not m.deleting}
+            count = ((deployment or {}).get("spec") or {}).get("replicas")
+            ready = sum(1 for m in members if m.phase == "ready" and not m.deleting)
+            if not_ready or (count is not None and ready < int(count)) or any(
+                    c.get("type") == "ReplicaFailure" and c.get("status") == "True"
+                    for c in status.get("conditions") or []):
+                waiting[key] = not_ready
+        if waiting and time.monotonic() - self.troubles_read_at >= TROUBLE_READ_SECONDS:
+            self.troubles_read_at = time.monotonic()
+            self.replica_sets = self.read_quietly(lambda: cluster.replica_sets(MANAGED))
+            self.events = self.read_quietly(cluster.events)
+        troubles: dict[str, list[str]] = {}
+        for key, names in waiting.items():
+            sets = [r for r in self.replica_sets if str(((r.get("metadata") or {}).get(
+                "labels") or {}).get(ID_LABEL, "")) == key]
+            troubles[key] = k8s_failures.troubles(self.deployment_object(key), sets,
+                                                  self.events, names)
+        self.troubles = troubles
+
+    @staticmethod
+    def read_quietly(read: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        try:
+            return read()
+        except ClusterError as exc:  # e.g. a Role without the grant: only less detail
+            logger.warning("reading why pods are missing failed: %s", exc)
+            return []
+
+    def deployment_object(self, key: str) -> dict[str, Any] | None:
+        return next((obj for (kind, _), obj in self.live.get(key, {}).items()
+                     if kind == "Deployment"), None)
 
     def members(self, deployment: Deployment) -> list[Member]:
         return [observe_pod(pod) for pod in self.pods.get(str(deployment.pk), [])]
+
+    def problems(self, deployment: Deployment) -> list[str]:
+        return list(self.troubles.get(str(deployment.pk), []))
+
+    def notices(self, deployment: Deployment) -> list[tuple[str, str]]:
+        return self.notes.pop(str(deployment.pk), [])
 
     def scales_itself(self) -> bool:
         return self.config.scaling != "controlplane"
 
     # --- writing ---------------------------------------------------------------------
 
-    def apply(self, deployment: Deployment) -> bool:
+    def apply(self, deployment: Deployment, replicas: int | None = None) -> bool:
+        """Apply what differs from the live objects: an object is sent when its rendering
+        changed (its hash annotation) or when a field it renders was changed by someone
+        else (drift, put back and told). An autoscaler no longer wanted is removed
+        before any count is applied, and a switch to one hands `spec.replicas` over at
+        its live value, so the count never falls back to the default of 1."""
         try:  # stored before the allow-lists, or a setting narrowed since
             check_allowed(self.config.as_dict())
         except BackendConfigError as exc:
             raise BackendError(f"the backend's {exc.field}: {exc.message}") from None
-        objects = render(deployment, self.config)
-        digest = spec_hash(objects)
-        applied = self.objects.get(str(deployment.pk), {})
+        key = str(deployment.pk)
+        objects = render(deployment, self.config, replicas=replicas)
+        live = self.live.get(key, {})
         wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in objects}
-        if all(applied.get(key) == digest for key in wanted) and set(applied) <= wanted:
+        stale = [item for item in live if item not in wanted]
+        changed: list[dict[str, Any]] = []
+        notes: list[tuple[str, str]] = []
+        for obj in objects:
+            digest = spec_hash([obj])
+            held = live.get((obj["kind"], obj["metadata"]["name"]))
+            found = k8s_drift.differences(obj, held) if held is not None else []
+            ours_changed = held is None or ((held.get("metadata") or {}).get(
+                "annotations") or {}).get(HASH_ANNOTATION) != digest
+            if held is not None and found:
+                drifted = [d for d in found if not ours_changed or any(
+                    manager not in OUR_MANAGERS for manager in k8s_drift.owners(held, d))]
+                if drifted:
+                    text, _ = k8s_drift.describe(
+                        obj["kind"], obj["metadata"]["name"], drifted, held,
+                        ours=OUR_MANAGERS, main=obj["kind"] == "Deployment")
+                    notes.append(("drift", text))
+            if ours_changed or found:
+                obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
+                changed.append(obj)
+        if not changed and not stale:
             return False
         cluster = self.cluster()
-        for obj in objects:
-            obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
+        for kind, name in stale:  # autoscalers first: none may fight the count applied
+            if kind in AUTOSCALERS:
+                cluster.delete(kind, name)
+                self.writes += 1
+                notes.append(("autoscaler-removed", f"{kind} {name} removed: the control "
+                              f"plane sets the replica count again"))
+        handover = self.handover(deployment, objects, live)
+        if handover is not None:
+            cluster.apply(handover, manager=HANDOVER_MANAGER, force=False)
+            self.writes += 1
+            notes.append(("handover", f"spec.replicas handed over to the autoscaler at its "
+                          f"live value, {handover['spec']['replicas']}"))
+        for obj in changed:
             cluster.apply(obj)
             self.writes += 1
-        for kind, name in set(applied) - wanted:  # e.g. an HPA after scaling changed
-            cluster.delete(kind, name)
-            self.writes += 1
-        self.objects[str(deployment.pk)] = dict.fromkeys(wanted, digest)
+        for kind, name in stale:
+            if kind not in AUTOSCALERS:
+                cluster.delete(kind, name)
+                self.writes += 1
+        self.notes.setdefault(key, []).extend(notes)
         return True
+
+    def handover(self, deployment: Deployment, objects: list[dict[str, Any]],
+                 live: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any] | None:
+        """Kubernetes' documented way to hand `spec.replicas` to an autoscaler: before
+        the backend's manager applies the Deployment without the field, a separate
+        manager applies only the field, at its live value; the field stays (owned by that
+        manager) and the autoscaler takes it from there. None when there is nothing to
+        hand over (no live Deployment, an autoscaler already in place, the count ours)."""
+        rendered = next((o for o in objects if o["kind"] == "Deployment"), None)
+        held = live.get(("Deployment", deployment.name))
+        if rendered is None or held is None or "replicas" in rendered["spec"]:
+            return None
+        if any(kind in AUTOSCALERS for kind, _ in live):
+            return None
+        count = (held.get("spec") or {}).get("replicas")
+        if count is None:
+            return None
+        return {"apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": rendered["metadata"]["name"],
+                             "namespace": self.config.namespace},
+                "spec": {"replicas": int(count)}}
 
     def set_role(self, deployment: Deployment, replica: Replica, role: str) -> None:
         self.cluster().set_labels(replica.pod_name, {ROLE_LABEL: role})
@@ -238,15 +389,20 @@ class KubernetesBackend:
             if pod["metadata"]["name"] == replica.pod_name:
                 pod["metadata"].setdefault("labels", {})[ROLE_LABEL] = role
 
-    def mark_for_removal(self, replica: Replica) -> None:
-        self.cluster().set_deletion_cost(replica.pod_name, REMOVAL_COST)
+    def mark_for_removal(self, replica: Replica, marked: bool = True) -> None:
+        cost = REMOVAL_COST if marked else 0
+        self.cluster().set_deletion_cost(replica.pod_name, cost)
         self.writes += 1
+        for pods in self.pods.values():  # seen at once, before the watch
+            for pod in pods:
+                if pod["metadata"]["name"] == replica.pod_name:
+                    pod["metadata"].setdefault("annotations", {})[DELETION_COST] = str(cost)
 
     def remove(self, deployment: Deployment) -> bool:
         key = str(deployment.pk)
-        if self.objects.get(key):
+        if self.live.get(key):
             self.writes += self.cluster().delete_owned(owner_labels(deployment))
-            self.objects.pop(key, None)
+            self.live.pop(key, None)
         return not self.pods.get(key)
 
     # --- one member ------------------------------------------------------------------

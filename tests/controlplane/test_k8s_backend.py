@@ -7,20 +7,23 @@ made for the deployment and nothing else."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import kmock
 import pytest
 
-from controlplane.backends.base import backend_for
 from controlplane.backends.k8s_manifests import ROLE_LABEL
-from controlplane.backends.kubernetes import KubernetesBackend
 from controlplane.models import AuditEvent, Deployment, Replica
 from controlplane.reconciler import Reconciler
 from controlplane.routing import current_pools
-from tests.factories import make_backend, make_deployment, make_model
+from tests.controlplane.k8s_support import (
+    backend_of,
+    converge,
+    deployment_factory,
+    phases,
+    rows,
+)
 from tests.k8s_emulator import ClusterPlayer, EmulatedCluster, write_kubeconfig
 from tests.product import free_port
 
@@ -34,45 +37,7 @@ def player(emulated: EmulatedCluster) -> ClusterPlayer:
 
 @pytest.fixture
 def make(emulated: EmulatedCluster, tmp_path: Any, settings: Any) -> Callable[..., Deployment]:
-    settings.RESTART_BACKOFF_BASE_SECONDS = 0.2
-    settings.RESTART_BACKOFF_MAX_SECONDS = 0.4
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", emulated.url)
-    record = make_backend("gpus", "kubernetes", {
-        "namespace": "inference", "kubeconfig": kubeconfig, "model_source": "pvc",
-        "pvc_name": "models", "warm_up": False})
-    model = make_model("llama")
-
-    def create(name: str = "chat", **fields: Any) -> Deployment:
-        return cast(Deployment, make_deployment(name, model=model, backend=record, **fields))
-
-    return create
-
-
-def backend_of(deployment: Deployment) -> KubernetesBackend:
-    return cast(KubernetesBackend, backend_for(deployment.backend))
-
-
-def converge(reconciler: Reconciler, check: Callable[[], Any], what: str,
-             seconds: float = 10) -> Any:
-    """Reconcile until `check` holds (the watch delivers the played changes meanwhile)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        result = reconciler.reconcile_all()
-        assert not result.errors, result.errors
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never reached: {what}")
-        time.sleep(0.05)
-
-
-def rows(deployment: Deployment) -> list[Replica]:
-    return list(Replica.objects.filter(deployment=deployment).order_by("name"))
-
-
-def phases(deployment: Deployment) -> dict[str, tuple[str, str]]:
-    return {r.name: (r.phase, r.role) for r in rows(deployment)}
+    return deployment_factory(emulated, tmp_path, settings)
 
 
 def test_a_deployment_becomes_pods_that_take_traffic_once_ready(
@@ -322,3 +287,15 @@ def test_pods_are_warmed_up_before_they_serve(
     assert Replica.objects.get(name="chat-3").phase == Replica.Phase.WARMING
     [pool] = current_pools()
     assert len(pool.replicas) == 2
+
+
+def test_an_api_server_older_than_1_30_is_refused_on_the_deployment(
+        emulated: EmulatedCluster, tmp_path: Any, settings: Any) -> None:
+    deployment = deployment_factory(emulated, tmp_path, settings, minor="29")(replicas=1)
+    Reconciler().reconcile_all()
+    deployment.refresh_from_db()
+    degraded = deployment.condition("Degraded")
+    assert degraded is not None and degraded["status"] == "True"
+    assert ("the API server runs Kubernetes v1.29.0; this backend needs 1.30 or later"
+            in degraded["message"])
+    assert emulated.stored("apps/v1/deployments", "inference", "chat") is None
