@@ -180,7 +180,7 @@ class StandInApiServer(kmock.KubernetesEmulator):
         self.rbac: Rbac | None = Rbac(rbac_documents())
         self.tokens = {TOKEN: CONTROLLER}
         self.anonymous: str | None = None
-        self.version = 0
+        self.version = 1  # never "0", which a watch reads as "from any version"
         self.log: list[Change] = []
         self.compacted = 0  # the newest resourceVersion a watch can no longer resume from
         self.window = WATCH_WINDOW
