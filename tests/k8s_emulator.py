@@ -180,6 +180,9 @@ class StandInApiServer(kmock.KubernetesEmulator):
         self.rbac: Rbac | None = Rbac(rbac_documents())
         self.tokens = {TOKEN: CONTROLLER}
         self.anonymous: str | None = None
+        #: What GET /version answers (Kubernetes 1.36 unless a test says otherwise).
+        self.server_version = {"major": "1", "minor": "36", "gitVersion": "v1.36.0",
+                               "platform": "linux/amd64"}
         self.version = 1  # never "0", which a watch reads as "from any version"
         self.log: list[Change] = []
         self.compacted = 0  # the newest resourceVersion a watch can no longer resume from
@@ -199,6 +202,9 @@ class StandInApiServer(kmock.KubernetesEmulator):
         method = str(getattr(request.method, "name", request.method)).upper()
         self.methods[method] = self.methods.get(method, 0) + 1
         if request.resource is None:  # discovery and the like
+            if method == "GET" and str(request.url.path).rstrip("/") == "/version":
+                # kmock answers only /version (not the client's /version/), as 1.26.
+                return aiohttp.web.json_response(self.server_version)
             return await kmock.RawHandler._handle(self, request)
         try:
             user = self.user(request)

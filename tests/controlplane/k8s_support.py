@@ -17,11 +17,10 @@ from tests.k8s_emulator import EmulatedCluster, write_kubeconfig
 
 
 def serve_version(emulated: EmulatedCluster, minor: str = "36") -> None:
-    """Make the stand-in answer GET /version/ as a Kubernetes 1.<minor> server does (kmock
-    answers only /version, without the slash the official client sends, and says 1.26)."""
+    """Make the stand-in answer GET /version/ as a Kubernetes 1.<minor> server does."""
     def serve() -> None:
         assert emulated.emulator is not None
-        emulated.emulator["get /version/"] << {
+        emulated.emulator.server_version = {
             "major": "1", "minor": minor, "gitVersion": f"v1.{minor}.0",
             "platform": "linux/amd64"}
 

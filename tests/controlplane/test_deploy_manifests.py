@@ -132,6 +132,7 @@ def a_whole_life(emulated: EmulatedCluster, tmp_path: Path) -> None:
     make_deployment("events", model=model, backend=backends["keda"], replicas=1)
     reconciler = Reconciler()
     reconciler.reconcile_all()
+    reconciler.reconcile_all()  # applied, no pods yet: why not is read (sets, events)
     player.sync(ready=True)
     for _ in range(50):  # warm standby chosen (a label), pods taken in
         reconciler.reconcile_all()

@@ -51,9 +51,7 @@ def test_kubectl_scale_is_put_back_and_told_with_who_did_it(
     reconciler.reconcile_all()
     player.sync(ready=True)
     converge(reconciler, lambda: len(rows(deployment)) == 2, "two pods")
-    player.apps.patch_namespaced_deployment("chat", "inference", {
-        "metadata": {"managedFields": managed_by("kubectl", {"f:spec": {"f:replicas": {}}})},
-        "spec": {"replicas": 5}}, _content_type="application/merge-patch+json")
+    player.kubectl_scale("chat", 5)  # the stand-in records kubectl as its manager
     converge(reconciler, lambda: live_deployment(emulated)["spec"]["replicas"] == 2,
              "the count put back")
     [drift] = AuditEvent.objects.filter(action="drift")
@@ -80,12 +78,8 @@ def test_kubectl_edit_of_the_image_and_env_is_put_back(
     image = container["image"]
     edited = {**container, "image": "evil/miner:latest",
               "env": [*container["env"], {"name": "EXTRA", "value": "1"}]}
-    player.apps.patch_namespaced_deployment("chat", "inference", {
-        "metadata": {"managedFields": managed_by("kubectl-edit", {"f:spec": {"f:template": {
-            "f:spec": {"f:containers": {'k:{"name":"vllm"}': {
-                "f:image": {}, "f:env": {'k:{"name":"EXTRA"}': {}}}}}}}})},
-        "spec": {"template": {"spec": {"containers": [edited]}}}},
-        _content_type="application/merge-patch+json")
+    player.kubectl_patch("chat", {"spec": {"template": {"spec": {"containers": [edited]}}}},
+                         manager="kubectl-edit")
     converge(reconciler, lambda: live_deployment(emulated)["spec"]["template"]["spec"][
         "containers"][0]["image"] == image, "the image put back")
     assert [c["name"] for c in live_deployment(emulated)["spec"]["template"]["spec"][
