@@ -23,11 +23,12 @@ from controlplane.backends import vllm_http
 from controlplane.backends.base import BackendConfigError, BackendError, Member
 from controlplane.backends.k8s_client import Cluster, ClusterError, Watch, api_client
 from controlplane.backends.k8s_manifests import (
-    ID_LABEL,
-    MANAGED_BY,
+    INSTANCE_LABEL,
     ROLE_LABEL,
     KubernetesConfig,
     check_allowed,
+    deployment_key,
+    managed_labels,
     owner_labels,
     render,
 )
@@ -41,7 +42,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HASH_ANNOTATION = "fleetplane.io/applied-hash"
-MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
+# managed-by and this install (settings.INSTALL_ID): another install's objects in the
+# namespace are never listed, adopted or deleted.
+MANAGED = managed_labels()
 # Victims of the next scale-down get this pod-deletion cost (the default is 0).
 REMOVAL_COST = -1000
 WATCH_SECONDS = 300
@@ -165,7 +168,8 @@ class KubernetesBackend:
         self.on_change = on_change
         self._cluster: Cluster | None = None
         self.watcher: PodWatcher | None = None
-        # As of the last refresh, per deployment id: applied objects -> their hash; pods.
+        # As of the last refresh, per deployment (deployment_key, the instance label):
+        # applied objects -> their hash; pods.
         self.objects: dict[str, dict[tuple[str, str], str]] = {}
         self.pods: dict[str, list[dict[str, Any]]] = {}
         self.writes = 0  # write requests sent (the benchmark checks a resync sends none)
@@ -187,7 +191,7 @@ class KubernetesBackend:
         cluster = self.cluster()
         objects: dict[str, dict[tuple[str, str], str]] = {}
         for kind, name, labels, notes in cluster.managed(MANAGED):
-            objects.setdefault(labels.get(ID_LABEL, ""), {})[kind, name] = notes.get(
+            objects.setdefault(labels.get(INSTANCE_LABEL, ""), {})[kind, name] = notes.get(
                 HASH_ANNOTATION, "")
         if self.watch and self.watcher is None:
             self.watcher = PodWatcher(cluster, self.on_change).start()
@@ -198,11 +202,11 @@ class KubernetesBackend:
         by_id: dict[str, list[dict[str, Any]]] = {}
         for pod in pods:
             labels = (pod.get("metadata") or {}).get("labels") or {}
-            by_id.setdefault(str(labels.get(ID_LABEL, "")), []).append(pod)
+            by_id.setdefault(str(labels.get(INSTANCE_LABEL, "")), []).append(pod)
         self.objects, self.pods = objects, by_id
 
     def members(self, deployment: Deployment) -> list[Member]:
-        return [observe_pod(pod) for pod in self.pods.get(str(deployment.pk), [])]
+        return [observe_pod(pod) for pod in self.pods.get(deployment_key(deployment), [])]
 
     def scales_itself(self) -> bool:
         return self.config.scaling != "controlplane"
@@ -216,7 +220,7 @@ class KubernetesBackend:
             raise BackendError(f"the backend's {exc.field}: {exc.message}") from None
         objects = render(deployment, self.config)
         digest = spec_hash(objects)
-        applied = self.objects.get(str(deployment.pk), {})
+        applied = self.objects.get(deployment_key(deployment), {})
         wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in objects}
         if all(applied.get(key) == digest for key in wanted) and set(applied) <= wanted:
             return False
@@ -228,13 +232,13 @@ class KubernetesBackend:
         for kind, name in set(applied) - wanted:  # e.g. an HPA after scaling changed
             cluster.delete(kind, name)
             self.writes += 1
-        self.objects[str(deployment.pk)] = dict.fromkeys(wanted, digest)
+        self.objects[deployment_key(deployment)] = dict.fromkeys(wanted, digest)
         return True
 
     def set_role(self, deployment: Deployment, replica: Replica, role: str) -> None:
         self.cluster().set_labels(replica.pod_name, {ROLE_LABEL: role})
         self.writes += 1
-        for pod in self.pods.get(str(deployment.pk), []):  # seen at once, before the watch
+        for pod in self.pods.get(deployment_key(deployment), []):  # seen at once, before the watch
             if pod["metadata"]["name"] == replica.pod_name:
                 pod["metadata"].setdefault("labels", {})[ROLE_LABEL] = role
 
@@ -243,7 +247,7 @@ class KubernetesBackend:
         self.writes += 1
 
     def remove(self, deployment: Deployment) -> bool:
-        key = str(deployment.pk)
+        key = deployment_key(deployment)
         if self.objects.get(key):
             self.writes += self.cluster().delete_owned(owner_labels(deployment))
             self.objects.pop(key, None)
