@@ -8,6 +8,7 @@ Every variable is listed in docs/configuration.md.
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -262,6 +263,16 @@ KUBERNETES_CONTROLLER_POD_LABELS = env_labels("KUBERNETES_CONTROLLER_POD_LABELS"
     "app.kubernetes.io/name": "fleetplane", "app.kubernetes.io/component": "controller"})
 KUBERNETES_PROMETHEUS_NAMESPACE = env_str("KUBERNETES_PROMETHEUS_NAMESPACE", "monitoring")
 KUBERNETES_PROMETHEUS_POD_LABELS = env_labels("KUBERNETES_PROMETHEUS_POD_LABELS")
+# This install's name on the Kubernetes objects it makes: the label fleetplane.io/install on
+# every object and in every selector, so two installs sharing a namespace never list,
+# adopt or delete each other's objects; an install other than the default also prefixes
+# its object names with it. A DNS label of at most 20 characters starting with a letter
+# (a valid label value, and short enough to prefix a name). Fixed for the install's life.
+INSTALL_ID = env_str("INSTALL_ID", "fleetplane")
+if not re.fullmatch(r"[a-z]([-a-z0-9]{0,18}[a-z0-9])?", INSTALL_ID):
+    raise SettingError(f"INSTALL_ID={INSTALL_ID!r}: use 1 to 20 lower-case letters, digits "
+                       f"and hyphens, starting with a letter and ending with a letter or "
+                       f"digit")
 # --- end of the backend allow-lists
 
 # Every route but /v1/*: bodies over this get 413 before Django reads them.

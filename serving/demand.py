@@ -1,5 +1,7 @@
 """Requests waiting at the gateway for a deployment that has no ready replica (scaled to
-zero): the autoscaler's signal to bring one up, and the wait itself.
+zero): the autoscaler's signal to bring one up, and the wait itself. The count is also
+exported as the gauge `fleetplane_gateway_cold_start_waiting_requests{deployment}`, which
+KEDA reads to wake a deployment it scaled to zero.
 
 Counts are kept per process; with REDIS_URL set each waiting gateway process also writes
 its count to Redis under `fleetplane:demand:<deployment>:<process>` with a short expiry,
@@ -13,6 +15,8 @@ import os
 import threading
 import uuid
 from typing import Any
+
+from serving.metrics import COLD_START_WAITING, child
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,8 @@ class Demand:
                 self._waiting[deployment] = value
             else:
                 self._waiting.pop(deployment, None)
+            # Inside the lock: the gauge never shows an older count than the last add.
+            child(COLD_START_WAITING, deployment).set(value)
             return value
 
     def waiting(self, deployment: str) -> int:

@@ -39,6 +39,11 @@ QUEUE_ESTIMATE = Gauge("fleetplane_gateway_queue_estimated_wait_seconds",
 QUEUE_WAIT = Histogram("fleetplane_gateway_queue_wait_seconds",
                        "Time waited in the priority queue before a replica took the request",
                        ["deployment", "priority"], buckets=LATENCY_BUCKETS)
+# The wake signal for native scaling (KEDA's activation trigger, docs/autoscaling.md):
+# requests this process holds for a deployment with no ready replica.
+COLD_START_WAITING = Gauge("fleetplane_gateway_cold_start_waiting_requests",
+                           "Requests held at the gateway for a deployment with no ready "
+                           "replica, waiting for one to come up", ["deployment"])
 REFUSED = Counter("fleetplane_gateway_refused_total",
                   "Requests refused before reaching a replica, by reason",
                   ["deployment", "reason"])

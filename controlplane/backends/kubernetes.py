@@ -35,13 +35,16 @@ from controlplane.backends.k8s_client import (
 )
 from controlplane.backends.k8s_manifests import (
     FIELD_MANAGER,
-    ID_LABEL,
-    MANAGED_BY,
+    INSTALL_LABEL,
+    INSTANCE_LABEL,
     ROLE_LABEL,
     KubernetesConfig,
     check_allowed,
+    deployment_key,
+    managed_labels,
     owner_labels,
     render,
+    selector_changed,
 )
 from controlplane.backends.k8s_pods import DELETION_COST, observe_pod
 
@@ -53,7 +56,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HASH_ANNOTATION = "fleetplane.io/applied-hash"
-MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
+MANAGED = managed_labels()  # every object of this install, and only those
 # Victims of the next scale-down get this pod-deletion cost (the default is 0).
 REMOVAL_COST = -1000
 WATCH_SECONDS = 300
@@ -233,7 +236,7 @@ class KubernetesBackend:
         live: dict[str, dict[tuple[str, str], dict[str, Any]]] = {}
         for kind, obj in cluster.live(MANAGED):
             metadata = obj.get("metadata") or {}
-            live.setdefault(str((metadata.get("labels") or {}).get(ID_LABEL, "")), {})[
+            live.setdefault(str((metadata.get("labels") or {}).get(INSTANCE_LABEL, "")), {})[
                 kind, str(metadata.get("name") or "")] = obj
         if self.watch and self.watcher is None:
             self.watcher = PodWatcher(cluster, self.on_change).start()
@@ -244,7 +247,7 @@ class KubernetesBackend:
         by_id: dict[str, list[dict[str, Any]]] = {}
         for pod in pods:
             labels = (pod.get("metadata") or {}).get("labels") or {}
-            by_id.setdefault(str(labels.get(ID_LABEL, "")), []).append(pod)
+            by_id.setdefault(str(labels.get(INSTANCE_LABEL, "")), []).append(pod)
         self.live, self.pods = live, by_id
         self.read_troubles(cluster)
 
@@ -271,7 +274,7 @@ class KubernetesBackend:
         troubles: dict[str, list[str]] = {}
         for key, names in waiting.items():
             sets = [r for r in self.replica_sets if str(((r.get("metadata") or {}).get(
-                "labels") or {}).get(ID_LABEL, "")) == key]
+                "labels") or {}).get(INSTANCE_LABEL, "")) == key]
             troubles[key] = k8s_failures.troubles(self.deployment_object(key), sets,
                                                   self.events, names)
         self.troubles = troubles
@@ -289,13 +292,13 @@ class KubernetesBackend:
                      if kind == "Deployment"), None)
 
     def members(self, deployment: Deployment) -> list[Member]:
-        return [observe_pod(pod) for pod in self.pods.get(str(deployment.pk), [])]
+        return [observe_pod(pod) for pod in self.pods.get(deployment_key(deployment), [])]
 
     def problems(self, deployment: Deployment) -> list[str]:
-        return list(self.troubles.get(str(deployment.pk), []))
+        return list(self.troubles.get(deployment_key(deployment), []))
 
     def notices(self, deployment: Deployment) -> list[tuple[str, str]]:
-        return self.notes.pop(str(deployment.pk), [])
+        return self.notes.pop(deployment_key(deployment), [])
 
     def scales_itself(self) -> bool:
         return self.config.scaling != "controlplane"
@@ -312,8 +315,11 @@ class KubernetesBackend:
             check_allowed(self.config.as_dict())
         except BackendConfigError as exc:
             raise BackendError(f"the backend's {exc.field}: {exc.message}") from None
-        key = str(deployment.pk)
-        objects = render(deployment, self.config, replicas=replicas)
+        key = deployment_key(deployment)
+        try:  # e.g. more GPUs than a node has, a model pods cannot download
+            objects = render(deployment, self.config, replicas=replicas)
+        except BackendConfigError as exc:
+            raise BackendError(f"the deployment's {exc.field}: {exc.message}") from None
         live = self.live.get(key, {})
         wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in objects}
         stale = [item for item in live if item not in wanted]
@@ -352,13 +358,44 @@ class KubernetesBackend:
             notes.append(("handover", f"spec.replicas handed over to the autoscaler at its "
                           f"live value, {handover['spec']['replicas']}"))
         for obj in changed:
-            cluster.apply(obj)
+            try:
+                cluster.apply(obj)
+            except ClusterError as exc:
+                if not self.recreate(cluster, deployment, obj, exc):
+                    raise
+                notes.append(("recreated", f"Deployment {obj['metadata']['name']} was "
+                              f"applied by an older version with another selector, which "
+                              f"Kubernetes does not change: deleted and created again"))
             self.writes += 1
         for kind, name in stale:
             if kind not in AUTOSCALERS:
                 cluster.delete(kind, name)
                 self.writes += 1
         self.notes.setdefault(key, []).extend(notes)
+        return True
+
+    def recreate(self, cluster: Cluster, deployment: Deployment, obj: dict[str, Any],
+                 error: ClusterError) -> bool:
+        """A Deployment refused because its selector is immutable: if it is this
+        deployment's, applied by an older version of this install (the same name and
+        instance, no other install's label), delete it and apply again. False (the
+        error stands) for anything else."""
+        if obj["kind"] != "Deployment" or error.status != 422 or "immutable" not in str(
+                error):
+            return False
+        name = obj["metadata"]["name"]
+        earlier = {"app.kubernetes.io/managed-by": MANAGED["app.kubernetes.io/managed-by"],
+                   INSTANCE_LABEL: deployment_key(deployment)}
+        ours = [held for kind, held in cluster.live(earlier) if kind == "Deployment"
+                and (held.get("metadata") or {}).get("name") == name
+                and ((held.get("metadata") or {}).get("labels") or {}).get(
+                    INSTALL_LABEL, MANAGED[INSTALL_LABEL]) == MANAGED[INSTALL_LABEL]
+                and selector_changed(held, obj)]
+        if not ours:
+            return False
+        cluster.delete("Deployment", name)
+        self.writes += 1
+        cluster.apply(obj)
         return True
 
     def handover(self, deployment: Deployment, objects: list[dict[str, Any]],
@@ -369,7 +406,7 @@ class KubernetesBackend:
         manager) and the autoscaler takes it from there. None when there is nothing to
         hand over (no live Deployment, an autoscaler already in place, the count ours)."""
         rendered = next((o for o in objects if o["kind"] == "Deployment"), None)
-        held = live.get(("Deployment", deployment.name))
+        held = live.get(("Deployment", rendered["metadata"]["name"])) if rendered else None
         if rendered is None or held is None or "replicas" in rendered["spec"]:
             return None
         if any(kind in AUTOSCALERS for kind, _ in live):
@@ -385,7 +422,7 @@ class KubernetesBackend:
     def set_role(self, deployment: Deployment, replica: Replica, role: str) -> None:
         self.cluster().set_labels(replica.pod_name, {ROLE_LABEL: role})
         self.writes += 1
-        for pod in self.pods.get(str(deployment.pk), []):  # seen at once, before the watch
+        for pod in self.pods.get(deployment_key(deployment), []):  # seen at once, before the watch
             if pod["metadata"]["name"] == replica.pod_name:
                 pod["metadata"].setdefault("labels", {})[ROLE_LABEL] = role
 
@@ -399,7 +436,7 @@ class KubernetesBackend:
                     pod["metadata"].setdefault("annotations", {})[DELETION_COST] = str(cost)
 
     def remove(self, deployment: Deployment) -> bool:
-        key = str(deployment.pk)
+        key = deployment_key(deployment)
         if self.live.get(key):
             self.writes += self.cluster().delete_owned(owner_labels(deployment))
             self.live.pop(key, None)

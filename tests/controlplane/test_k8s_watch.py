@@ -18,7 +18,7 @@ from tests.k8s_emulator import EmulatedCluster
 from tests.product import free_port
 
 CONFIG = KubernetesConfig.from_dict({"namespace": "inference"})
-MANAGED = {"app.kubernetes.io/managed-by": "fleetplane", "fleetplane.io/deployment-id": "7"}
+MANAGED = {"app.kubernetes.io/managed-by": "fleetplane", "fleetplane.io/install": "fleetplane"}
 
 
 @pytest.fixture
