@@ -126,12 +126,17 @@ async def publish_decisions(messages: list[dict[str, Any]]) -> None:
 
 
 async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval: float) -> None:
+    from controlplane import liveness
+
     while not stop.is_set():
         _reconcile_requested.clear()
         try:
             await asyncio.to_thread(_one_pass, reconciler)
         except Exception:
             logger.exception("reconcile pass failed")
+        # A pass that ended, even in an error, is progress: the liveness check and the
+        # Lease's renewal look at this (controlplane/liveness.py).
+        liveness.heartbeat.beat("reconcile pass")
         await _wait_for_next(stop, interval)
 
 

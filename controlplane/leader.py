@@ -7,6 +7,11 @@ resourceVersion it read, so of two processes racing for an expired Lease the API
 lets one win (409 Conflict for the other). A holder that cannot renew within two thirds
 of the duration stops its controllers (the process then exits and is restarted as a
 follower); one that stops cleanly gives the Lease up so a follower takes over at once.
+
+Renewal also needs progress: with a heartbeat (controlplane/liveness.py), a holder whose
+last reconcile pass completed longer ago than the Lease's duration (a pass hung on a lock
+or a socket) renews no more; it gives the Lease up and stops its controllers, so a
+follower takes over instead of the Lease being held by a process that does nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import asyncio
 import logging
 import socket
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from controlplane.liveness import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +38,22 @@ def _micro_time(moment: datetime) -> str:
 
 class LeaseElection:
     def __init__(self, client: Any, namespace: str, name: str, identity: str,
-                 duration_seconds: int = 15) -> None:
+                 duration_seconds: int = 15, progress: Heartbeat | None = None) -> None:
         from kubernetes import client as k8s
 
         self.api = k8s.CoordinationV1Api(client)
         self.namespace, self.name, self.identity = namespace, name, identity
         self.duration = duration_seconds
         self.leading = False
+        #: Beaten by each completed reconcile pass; None: renew without looking.
+        self.progress = progress
 
     @classmethod
     def from_settings(cls) -> LeaseElection | None:
         """The election the settings ask for, or None (LEADER_ELECTION=none)."""
         from django.conf import settings
+
+        from controlplane.liveness import heartbeat
 
         if settings.LEADER_ELECTION != "kubernetes":
             return None
@@ -53,7 +65,7 @@ class LeaseElection:
         namespace = settings.LEADER_ELECTION_NAMESPACE or _service_account_namespace()
         identity = settings.LEADER_ELECTION_IDENTITY or socket.gethostname()
         return cls(k8s.ApiClient(configuration), namespace, settings.LEADER_ELECTION_LEASE,
-                   identity, settings.LEADER_ELECTION_LEASE_SECONDS)
+                   identity, settings.LEADER_ELECTION_LEASE_SECONDS, progress=heartbeat)
 
     def attempt(self) -> bool:
         """Acquire or renew the Lease once; True while this process holds it."""
@@ -143,7 +155,10 @@ class LeaseElection:
     async def acquire(self, stop: asyncio.Event) -> bool:
         """Wait until this process leads (True), or until stop is set (False)."""
         while not stop.is_set():
-            if await asyncio.to_thread(self._attempt_safely):
+            leading = await asyncio.to_thread(self._attempt_safely)
+            if self.progress is not None:  # waiting is progress too, for the liveness check
+                self.progress.beat("election attempt")
+            if leading:
                 return True
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.duration / 3)
@@ -153,7 +168,8 @@ class LeaseElection:
 
     async def keep(self, stop: asyncio.Event) -> None:
         """Renew until stop is set. When renewal has failed for two thirds of the duration
-        (before any other process may take over), or another holds it, set stop."""
+        (before any other process may take over), or another holds it, or no reconcile
+        pass has completed for the whole duration, set stop (and give the Lease up)."""
         last = asyncio.get_running_loop().time()
         while not stop.is_set():
             try:
@@ -161,6 +177,12 @@ class LeaseElection:
                 break
             except TimeoutError:
                 pass
+            if self.progress is not None and self.progress.age() > self.duration:
+                logger.error("no reconcile pass has completed for %.0f s (the Lease's "
+                             "duration): giving up the Lease %s/%s and stopping the "
+                             "controllers", self.progress.age(), self.namespace, self.name)
+                stop.set()
+                break
             if await asyncio.to_thread(self._attempt_safely):
                 last = asyncio.get_running_loop().time()
             elif (asyncio.get_running_loop().time() - last >= self.duration * 2 / 3

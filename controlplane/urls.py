@@ -16,7 +16,11 @@ urlpatterns = [
     path("", RedirectView.as_view(pattern_name="registry", permanent=False), name="home"),
     path("login/", views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("healthz", views.healthz, name="healthz"),
+    # Probes (deploy/kubernetes/gateway.yaml): liveness without the database, readiness
+    # with it; /healthz keeps its meaning (the database answers) under its old name.
+    path("livez", views.livez, name="livez"),
+    path("readyz", views.readyz, name="readyz"),
+    path("healthz", views.readyz, name="healthz"),
     path("models/", include("models_registry.urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include("models_registry.api.urls")),

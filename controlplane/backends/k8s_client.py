@@ -23,7 +23,6 @@ from controlplane.backends.k8s_pods import DELETION_COST
 
 REQUEST_TIMEOUT = 30.0
 # The pods' preStop hook uses the `sleep` action, which Kubernetes serves from 1.30 on.
-MINIMUM_VERSION = (1, 30)
 
 
 class ClusterError(BackendError):
@@ -35,10 +34,6 @@ class ClusterError(BackendError):
 
     def __str__(self) -> str:
         return f"HTTP {self.status}: {self.message}" if self.status else self.message
-
-
-class ServerTooOld(ClusterError):
-    """The API server runs a Kubernetes older than this backend needs."""
 
 
 def _error(exc: Exception, doing: str) -> ClusterError:
@@ -330,29 +325,6 @@ class Watch:
 
 def selector(labels: dict[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
-
-
-def check_server_version(info: dict[str, Any]) -> None:
-    """Refuse an API server older than MINIMUM_VERSION, naming what it runs. Providers
-    write minor versions such as "30+"; only the leading digits count."""
-    def number(value: Any) -> int | None:
-        digits = ""
-        for char in str(value or ""):
-            if not char.isdigit():
-                break
-            digits += char
-        return int(digits) if digits else None
-
-    major, minor = number(info.get("major")), number(info.get("minor"))
-    shown = str(info.get("gitVersion") or f"{info.get('major')}.{info.get('minor')}")
-    needed = ".".join(map(str, MINIMUM_VERSION))
-    if major is None or minor is None:
-        raise ServerTooOld(0, f"the API server did not say its version ({shown}); this "
-                              f"backend needs Kubernetes {needed} or later")
-    if (major, minor) < MINIMUM_VERSION:
-        raise ServerTooOld(0, f"the API server runs Kubernetes {shown}; this backend needs "
-                              f"{needed} or later (the pods' preStop hook sleeps, an action "
-                              f"Kubernetes serves from 1.30 on)")
 
 
 CORE = Kind("CoreV1Api", "", "", "")

@@ -28,10 +28,8 @@ from controlplane.backends.base import BackendConfigError, BackendError, Member
 from controlplane.backends.k8s_client import (
     Cluster,
     ClusterError,
-    ServerTooOld,
     Watch,
     api_client,
-    check_server_version,
 )
 from controlplane.backends.k8s_manifests import (
     FIELD_MANAGER,
@@ -47,6 +45,7 @@ from controlplane.backends.k8s_manifests import (
     selector_changed,
 )
 from controlplane.backends.k8s_pods import DELETION_COST, observe_pod
+from controlplane.backends.k8s_version import UnsupportedKubernetesVersion, check_server_version
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -189,7 +188,7 @@ class KubernetesBackend:
         self._cluster: Cluster | None = None
         self.watcher: PodWatcher | None = None
         self.version_ok = False  # the API server's version was checked, once per client
-        self.version_refused: tuple[float, ServerTooOld] | None = None
+        self.version_refused: tuple[float, UnsupportedKubernetesVersion] | None = None
         # As of the last refresh, per deployment id: the live objects; the pods; troubles.
         self.live: dict[str, dict[tuple[str, str], dict[str, Any]]] = {}
         self.pods: dict[str, list[dict[str, Any]]] = {}
@@ -225,7 +224,7 @@ class KubernetesBackend:
             raise self.version_refused[1]
         try:
             check_server_version(cluster.server_version())
-        except ServerTooOld as exc:
+        except UnsupportedKubernetesVersion as exc:
             self.version_refused = (now, exc)
             raise
         self.version_ok, self.version_refused = True, None

@@ -296,6 +296,6 @@ def test_an_api_server_older_than_1_30_is_refused_on_the_deployment(
     deployment.refresh_from_db()
     degraded = deployment.condition("Degraded")
     assert degraded is not None and degraded["status"] == "True"
-    assert ("the API server runs Kubernetes v1.29.0; this backend needs 1.30 or later"
+    assert ("the cluster runs Kubernetes 1.29; Fleetplane needs Kubernetes 1.30 or later"
             in degraded["message"])
     assert emulated.stored("apps/v1/deployments", "inference", "chat") is None

@@ -14,7 +14,6 @@ from controlplane.backends.k8s_client import (
     Cluster,
     ClusterError,
     api_client,
-    check_server_version,
 )
 from controlplane.backends.k8s_manifests import KubernetesConfig, owner_labels, render
 from tests.controlplane.k8s_support import serve_version
@@ -129,32 +128,6 @@ def test_no_kubeconfig_is_a_clear_error(tmp_path: Any) -> None:
                                          "kubeconfig": str(tmp_path / "missing")})
     with pytest.raises(ClusterError, match="no Kubernetes configuration"):
         api_client(config)
-
-
-@pytest.mark.parametrize("info", [
-    {"major": "1", "minor": "29", "gitVersion": "v1.29.8"},
-    {"major": "1", "minor": "26", "gitVersion": "v1.26.4+k3s1"},
-])
-def test_servers_older_than_1_30_are_refused_by_name(info: dict[str, str]) -> None:
-    with pytest.raises(ClusterError) as caught:
-        check_server_version(info)
-    assert str(caught.value) == (
-        f"the API server runs Kubernetes {info['gitVersion']}; this backend needs 1.30 or "
-        f"later (the pods' preStop hook sleeps, an action Kubernetes serves from 1.30 on)")
-
-
-def test_a_server_that_does_not_say_its_version_is_refused() -> None:
-    with pytest.raises(ClusterError, match="did not say its version"):
-        check_server_version({"major": "", "minor": ""})
-
-
-@pytest.mark.parametrize("info", [
-    {"major": "1", "minor": "30", "gitVersion": "v1.30.0"},
-    {"major": "1", "minor": "31+", "gitVersion": "v1.31.2-eks-7f9249a"},
-    {"major": "2", "minor": "0"},
-])
-def test_servers_from_1_30_on_are_taken(info: dict[str, str]) -> None:
-    check_server_version(info)  # raises nothing
 
 
 def test_the_servers_version_is_read(cluster: Cluster, emulated: EmulatedCluster) -> None:

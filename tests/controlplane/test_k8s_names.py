@@ -119,13 +119,13 @@ def test_a_deployment_an_older_version_applied_is_created_again_with_the_new_sel
     old_labels = {"app.kubernetes.io/name": "vllm", "app.kubernetes.io/instance": "chat",
                   "app.kubernetes.io/managed-by": "fleetplane",
                   "fleetplane.io/deployment-id": str(deployment.pk)}
-    player.apps.create_namespaced_deployment("inference", {
+    player.apps.create_namespaced_deployment("inference", cast(Any, {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": "chat", "namespace": "inference", "labels": old_labels},
         "spec": {"replicas": 1, "selector": {"matchLabels": old_labels},
                  "template": {"metadata": {"labels": old_labels},
                               "spec": {"containers": [{"name": "vllm",
-                                                       "image": "vllm/vllm-openai:v0.1"}]}}}})
+                                                       "image": "vllm/vllm-openai:v0.1"}]}}}}))
     reconciler = Reconciler()
     reconciler.reconcile_all()
     stored = emulated.stored("apps/v1/deployments", "inference", "chat")
@@ -148,13 +148,13 @@ def test_another_installs_deployment_of_the_same_name_is_never_recreated(
     theirs = {"app.kubernetes.io/name": "vllm", "app.kubernetes.io/instance": "chat",
               "app.kubernetes.io/managed-by": "fleetplane",
               "fleetplane.io/install": "other"}
-    player.apps.create_namespaced_deployment("inference", {
+    player.apps.create_namespaced_deployment("inference", cast(Any, {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": "chat", "namespace": "inference", "labels": theirs},
         "spec": {"replicas": 1, "selector": {"matchLabels": theirs},
                  "template": {"metadata": {"labels": theirs},
                               "spec": {"containers": [{"name": "vllm",
-                                                       "image": "vllm/vllm-openai:v0.1"}]}}}})
+                                                       "image": "vllm/vllm-openai:v0.1"}]}}}}))
     Reconciler().reconcile_all()
     stored = emulated.stored("apps/v1/deployments", "inference", "chat")
     assert stored is not None

@@ -5,7 +5,11 @@ and a holder that loses the Lease stops its controllers."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from typing import Any
+
+import pytest
 
 from controlplane.leader import LeaseElection
 from tests.k8s_emulator import EmulatedCluster
@@ -80,3 +84,82 @@ def test_a_follower_waits_until_stopped(emulated: EmulatedCluster) -> None:
         return await follower.acquire(stop)
 
     assert asyncio.run(scenario()) is False
+
+
+def test_a_hung_reconcile_pass_gives_the_lease_up_and_the_process_exits(
+        emulated: EmulatedCluster, monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
+    """A pass that hangs longer than the Lease stops the renewal: the Lease is given up,
+    a follower takes it, and `run_controllers` reports itself stuck (it then exits)."""
+    from controlplane import controllers, liveness
+    from controlplane.management.commands import run_controllers as command
+
+    settings.RECONCILE_INTERVAL_SECONDS = 0.1
+    beat = liveness.Heartbeat()
+    monkeypatch.setattr(liveness, "heartbeat", beat)
+    first = election(emulated, "controller-a", seconds=2)
+    first.progress = beat
+    second = election(emulated, "controller-b", seconds=2)
+    monkeypatch.setattr(LeaseElection, "from_settings", classmethod(lambda cls: first))
+    monkeypatch.setattr(command, "STOP_WAIT_SECONDS", 1.0)
+    hung, unblock = threading.Event(), threading.Event()
+    passes: list[float] = []
+
+    def one_pass(reconciler: object) -> None:
+        passes.append(time.monotonic())
+        if len(passes) == 3:
+            hung.set()
+            unblock.wait(timeout=60)
+
+    async def idle(stop: asyncio.Event) -> None:
+        await stop.wait()
+
+    monkeypatch.setattr(controllers, "_one_pass", one_pass)
+    monkeypatch.setattr(controllers, "run_autoscaler", idle)
+    monkeypatch.setattr("controlplane.collector.run_collector", idle)
+
+    async def scenario() -> tuple[bool, float, float]:
+        run = asyncio.create_task(command.Command().run(None, "127.0.0.1", 30.0))
+        assert await asyncio.to_thread(hung.wait, 10)
+        started = time.monotonic()
+        # The follower gets the Lease once the holder gave it up.
+        while not await asyncio.to_thread(second.attempt):
+            assert time.monotonic() - started < 10, "the Lease was never given up"
+            await asyncio.sleep(0.1)
+        taken_over = time.monotonic() - started
+        stuck = await asyncio.wait_for(run, timeout=10)
+        exited = time.monotonic() - started
+        unblock.set()  # (the process would exit here; the test's event loop must end)
+        return stuck, taken_over, exited
+
+    try:
+        stuck, taken_over, exited = asyncio.run(scenario())
+    finally:
+        unblock.set()
+    # Renewal stops once no pass completed for the Lease's 2 s (checked every 2/3 s).
+    assert 2.0 <= taken_over <= 2 * 2 / 3 + 2.0 + 1.0
+    assert holder(emulated) == "controller-b"
+    assert not first.leading
+    assert stuck  # the hung pass would keep the process: the command exits instead
+    assert exited <= taken_over + 1.0 + 1.0
+
+
+def test_a_follower_counts_its_election_attempts_as_progress(
+        emulated: EmulatedCluster) -> None:
+    from controlplane.liveness import Heartbeat
+
+    leader, follower = election(emulated, "a", 3), election(emulated, "b", 3)
+    beat = Heartbeat(stall_seconds=60)
+    follower.progress = beat
+    assert leader.attempt()
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        waiting = asyncio.create_task(follower.acquire(stop))
+        while beat.report()[2]["last"] != "election attempt":
+            await asyncio.sleep(0.05)
+        stop.set()
+        assert await waiting is False
+
+    asyncio.run(scenario())
+    live, ready, body = beat.report()
+    assert live and ready and body["status"] == "ok"

@@ -10,12 +10,20 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandParser
+from django.contrib.auth import get_user_model
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import IntegrityError, transaction
 
+from controlplane.envconfig import env_str
 from controlplane.services import ensure_local_admin
 from models_registry.services import recover_interrupted_imports
 
 INITIAL_PASSWORD_FILE = "initial-admin-password"
+# The first admin's password, where it is chosen by whoever installs (on Kubernetes: a key
+# of the Secret `fleetplane`) instead of generated: used only while no administrator exists.
+ADMIN_PASSWORD_VARIABLE = "FLEETPLANE_ADMIN_PASSWORD"
 # How long a stopping server waits for the gateway's buffered usage records to be written.
 USAGE_FLUSH_ON_STOP_SECONDS = 5.0
 
@@ -33,6 +41,31 @@ def write_owner_only(path: Path, text: str) -> Path:
     finally:
         os.close(descriptor)
     return path
+
+
+def first_admin() -> tuple[str, str | None, bool]:
+    """Make sure someone can log in: (username, the generated password or None, whether
+    the password is FLEETPLANE_ADMIN_PASSWORD's). A generated password is returned once,
+    for the caller to hand over; one from the environment is never repeated."""
+    given = env_str(ADMIN_PASSWORD_VARIABLE)
+    try:
+        with transaction.atomic():
+            username, generated = ensure_local_admin()
+            if generated is None or not given:
+                return username, generated, False
+            user = get_user_model().objects.get(username=username)
+            try:
+                validate_password(given, user)
+            except ValidationError as exc:  # rolls the new account back
+                raise CommandError(f"{ADMIN_PASSWORD_VARIABLE}: {' '.join(exc.messages)}"
+                                   ) from None
+            user.set_password(given)
+            user.save(update_fields=["password"])
+            return username, None, True
+    except IntegrityError:
+        # Another server (a second gateway pod) created the account at the same moment.
+        username, generated = ensure_local_admin()
+        return username, generated, False
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
@@ -59,18 +92,29 @@ class Command(BaseCommand):
         parser.add_argument("--log-level", default=settings.LOG_LEVEL.lower())
         parser.add_argument("--no-controllers", action="store_true",
                             help="serve only; run `manage.py run_controllers` elsewhere")
+        parser.add_argument("--graceful-shutdown-seconds", type=int, default=None,
+                            help="at SIGTERM, how long requests in flight (streams) may "
+                                 "take to finish before they are cut (default: no bound; "
+                                 "deploy/kubernetes/gateway.yaml sets 100)")
 
     def handle(self, *args: Any, **options: Any) -> None:
         interrupted = recover_interrupted_imports()
         if interrupted:
             self.stderr.write(f"{interrupted} model import(s) were interrupted by a restart "
                               f"and are marked failed")
-        username, password = ensure_local_admin()
+        grace = options["graceful_shutdown_seconds"]
+        if grace is not None and grace < 1:
+            raise CommandError("--graceful-shutdown-seconds: a whole number of at least 1")
+        username, password, from_environment = first_admin()
         host, port = options["host"], options["port"]
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         url = f"http://{shown_host}:{port}/"
         self.stdout.write(f"\nFleetplane is starting on {url}")
-        if password and not settings.DEBUG:
+        if from_environment:
+            self.stdout.write(f"Log in as {username!r} with the password set in "
+                              f"{ADMIN_PASSWORD_VARIABLE}. Change it with: python manage.py "
+                              f"changepassword {username}")
+        elif password and not settings.DEBUG:
             # Production logs are collected and kept: the password goes into a file only
             # this user can read, and the log says where.
             path = write_owner_only(Path(settings.DATA_DIR) / INITIAL_PASSWORD_FILE, password)
@@ -88,9 +132,11 @@ class Command(BaseCommand):
         self.stdout.write("", ending="\n")
         self.stdout.flush()
         run_event_loop(self.serve(host, port, options["log_level"],
-                                  controllers=not options["no_controllers"]))
+                                  controllers=not options["no_controllers"],
+                                  graceful_shutdown=grace))
 
-    async def serve(self, host: str, port: int, log_level: str, *, controllers: bool) -> None:
+    async def serve(self, host: str, port: int, log_level: str, *, controllers: bool,
+                    graceful_shutdown: int | None = None) -> None:
         import uvicorn
 
         from controlplane.controllers import run_controllers
@@ -102,7 +148,11 @@ class Command(BaseCommand):
                                 proxy_headers=False,
                                 # Frames between WEBSOCKET_MAX_MESSAGE_BYTES and this get an
                                 # error message from the consumer; above it the socket closes.
-                                ws_max_size=4 * settings.WEBSOCKET_MAX_MESSAGE_BYTES)
+                                ws_max_size=4 * settings.WEBSOCKET_MAX_MESSAGE_BYTES,
+                                # Then streams still running are cancelled, and the usage
+                                # they recorded is written below, before the kubelet's
+                                # SIGKILL at terminationGracePeriodSeconds.
+                                timeout_graceful_shutdown=graceful_shutdown)
 
         class Server(uvicorn.Server):
             # uvicorn re-raises the SIGINT/SIGTERM it caught as soon as serve() returns,
