@@ -66,19 +66,20 @@ VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"
 CONTROLLER = "system:serviceaccount:fleetplane:fleetplane-controller"
 TOKEN = "test-token"  # write_kubeconfig's token: the controller's service account
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
-RBAC_FILES = (DEPLOY / "rbac.yaml", DEPLOY / "rbac-keda.yaml")
+RBAC_FILES = (DEPLOY / "rbac.yaml", DEPLOY / "rbac-keda.yaml", DEPLOY / "rbac-monitoring.yaml")
 APPLY = "application/apply-patch"
 WATCH_WINDOW = 10_000  # events kept for watches that resume from a resourceVersion
 KINDS = {"pods": "Pod", "services": "Service", "secrets": "Secret",
          "deployments": "Deployment", "replicasets": "ReplicaSet", "events": "Event",
          "poddisruptionbudgets": "PodDisruptionBudget", "networkpolicies": "NetworkPolicy",
          "horizontalpodautoscalers": "HorizontalPodAutoscaler", "leases": "Lease",
-         "scaledobjects": "ScaledObject"}
+         "scaledobjects": "ScaledObject", "podmonitors": "PodMonitor"}
 RESOURCES = ("v1/pods", "v1/services", "v1/secrets", "v1/events", "apps/v1/deployments",
              "apps/v1/replicasets", "policy/v1/poddisruptionbudgets",
              "networking.k8s.io/v1/networkpolicies",
              "autoscaling/v2/horizontalpodautoscalers", "events.k8s.io/v1/events",
-             "keda.sh/v1alpha1/scaledobjects")  # KEDA's: as where KEDA is installed
+             # KEDA's and the Prometheus Operator's: as where they are installed
+             "keda.sh/v1alpha1/scaledobjects", "monitoring.coreos.com/v1/podmonitors")
 
 
 def rbac_documents(paths: Iterable[Path] = RBAC_FILES) -> list[dict[str, Any]]:

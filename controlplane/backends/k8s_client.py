@@ -108,7 +108,7 @@ class Cluster:
     def __init__(self, config: KubernetesConfig, client: Any) -> None:
         self.config = config
         self.client = client
-        self.keda_absent = False  # KEDA's API answered 403 or 404
+        self.absent: set[str] = set()  # custom kinds whose API answered 403 or 404
 
     def _call(self, kind: Kind, method: str, doing: str, *args: Any, **kwargs: Any) -> Any:
         from kubernetes import client as k8s
@@ -139,10 +139,11 @@ class Cluster:
         takes fields another manager set to another value (the backend's own fields
         only: it applies nothing else); without it such a field is a 409 Conflict."""
         name = obj["metadata"]["name"]
-        if (obj["apiVersion"], obj["kind"]) == ("keda.sh/v1alpha1", "ScaledObject"):
-            self._custom("patch_namespaced_custom_object", f"applying ScaledObject {name}",
-                         name, obj, field_manager=manager, force=force,
-                         _content_type="application/apply-patch+yaml")
+        custom = CUSTOM.get(obj["kind"])
+        if custom is not None and custom.api_version == obj["apiVersion"]:
+            self._custom(obj["kind"], "patch_namespaced_custom_object",
+                         f"applying {obj['kind']} {name}", name, obj, field_manager=manager,
+                         force=force, _content_type="application/apply-patch+yaml")
             return
         kind = KINDS.get((obj["apiVersion"], obj["kind"]))
         if kind is None:
@@ -156,9 +157,9 @@ class Cluster:
         """Every object of one kind that carries all these labels, whole, as plain dicts
         with the API's own field names (checked here too: nothing without every owner
         label may ever be touched)."""
-        if kind_name == "ScaledObject":
-            answer = self._custom("list_namespaced_custom_object", "listing ScaledObjects",
-                                  label_selector=selector(labels))
+        if kind_name in CUSTOM:
+            answer = self._custom(kind_name, "list_namespaced_custom_object",
+                                  f"listing {kind_name}s", label_selector=selector(labels))
             items = list(answer.get("items") or [])
         else:
             items = self._raw_list(kind, kind.read_list, f"listing {kind_name}s",
@@ -179,14 +180,21 @@ class Cluster:
             raise ClusterError(0, f"{doing}: the API server's answer is not JSON") from None
         return [item for item in answer.get("items") or [] if isinstance(item, dict)]
 
+    def uses(self, kind_name: str) -> bool:
+        """Whether the configuration makes objects of this custom kind."""
+        if kind_name == "ScaledObject":
+            return self.config.scaling == "keda"
+        return kind_name == "PodMonitor" and self.config.pod_monitor
+
     def kinds(self) -> list[tuple[str, Kind]]:
-        """The kinds this backend makes. KEDA's where the configuration uses it, and also
-        elsewhere until its API answers 403 or 404 (it exists only where KEDA is
-        installed): a backend switched from KEDA to another scaling still finds, and
-        removes, the ScaledObjects it made."""
+        """The kinds this backend makes. A custom kind (KEDA's ScaledObject, the Prometheus
+        Operator's PodMonitor) where the configuration uses it, and also elsewhere until
+        its API answers 403 or 404 (it exists only where that operator is installed, and
+        its Role is applied): a backend whose configuration changed still finds, and
+        removes, the objects it made."""
         kinds = [(name, kind) for (_, name), kind in KINDS.items()]
-        if self.config.scaling == "keda" or not self.keda_absent:
-            kinds.append(("ScaledObject", KEDA))
+        kinds += [(name, CUSTOM_KIND) for name in CUSTOM
+                  if self.uses(name) or name not in self.absent]
         return kinds
 
     def live(self, labels: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
@@ -196,9 +204,9 @@ class Cluster:
             try:
                 items = self._listed(kind, kind_name, labels)
             except ClusterError as exc:
-                if kind is KEDA and self.config.scaling != "keda" and exc.status in (403,
-                                                                                     404):
-                    self.keda_absent = True
+                if kind is CUSTOM_KIND and not self.uses(kind_name) and exc.status in (
+                        403, 404):
+                    self.absent.add(kind_name)
                     continue
                 raise
             found += [(kind_name, item) for item in items]
@@ -232,9 +240,9 @@ class Cluster:
         if kind is None:
             return
         try:
-            if kind is KEDA:
-                self._custom("delete_namespaced_custom_object",
-                             f"deleting ScaledObject {name}", name)
+            if kind is CUSTOM_KIND:
+                self._custom(kind_name, "delete_namespaced_custom_object",
+                             f"deleting {kind_name} {name}", name)
             else:
                 self._call(kind, kind.delete, f"deleting {kind_name} {name}", name,
                            self.config.namespace, propagation_policy="Foreground")
@@ -250,9 +258,11 @@ class Cluster:
             removed += 1
         return removed
 
-    def _custom(self, method: str, doing: str, *args: Any, **kwargs: Any) -> Any:
-        return self._call(KEDA, method, doing, "keda.sh", "v1alpha1", self.config.namespace,
-                          "scaledobjects", *args, **kwargs)
+    def _custom(self, kind_name: str, method: str, doing: str, *args: Any,
+                **kwargs: Any) -> Any:
+        custom = CUSTOM[kind_name]
+        return self._call(CUSTOM_KIND, method, doing, custom.group, custom.version,
+                          self.config.namespace, custom.plural, *args, **kwargs)
 
     def list_pods(self, labels: dict[str, str]) -> tuple[list[dict[str, Any]], str]:
         """Pods carrying these labels, as plain dicts (the API's own field names), and the
@@ -329,5 +339,22 @@ def selector(labels: dict[str, str]) -> str:
 
 CORE = Kind("CoreV1Api", "", "", "")
 APPS = Kind("AppsV1Api", "", "", "")
-KEDA = Kind("CustomObjectsApi", "patch_namespaced_custom_object",
-            "list_namespaced_custom_object", "delete_namespaced_custom_object")
+CUSTOM_KIND = Kind("CustomObjectsApi", "patch_namespaced_custom_object",
+                   "list_namespaced_custom_object", "delete_namespaced_custom_object")
+
+
+@dataclass(frozen=True)
+class Custom:
+    """A kind an operator adds (its API exists only where the operator is installed)."""
+
+    group: str
+    version: str
+    plural: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}"
+
+
+CUSTOM = {"ScaledObject": Custom("keda.sh", "v1alpha1", "scaledobjects"),
+          "PodMonitor": Custom("monitoring.coreos.com", "v1", "podmonitors")}

@@ -48,6 +48,7 @@ def test_the_kustomization_names_files_that_exist() -> None:
         assert (DEPLOY / resource).is_file(), resource
     assert "secret.example.yaml" not in kustomization["resources"]  # never real secrets
     assert "rbac-keda.yaml" not in kustomization["resources"]  # only where KEDA is used
+    assert "rbac-monitoring.yaml" not in kustomization["resources"]  # only with PodMonitors
 
 
 def test_the_inference_namespace_enforces_pod_security() -> None:
@@ -124,7 +125,7 @@ def a_whole_life(emulated: EmulatedCluster, tmp_path: Path) -> None:
     for scaling in ("controlplane", "hpa", "keda"):
         backends[scaling] = make_backend(f"gpus-{scaling}", "kubernetes", {
             "namespace": "inference", "model_source": "pvc", "pvc_name": "models",
-            "warm_up": False, "scaling": scaling,
+            "warm_up": False, "scaling": scaling, "pod_monitor": scaling == "keda",
             "kubeconfig": write_kubeconfig(tmp_path / scaling, emulated.url)})
     chat = make_deployment("chat", model=model, backend=backends["controlplane"],
                            replicas=2, standby=1)
@@ -162,7 +163,7 @@ def test_rbac_grants_exactly_what_the_code_uses(emulated: EmulatedCluster, tmp_p
     sent = emulated.call(lambda: [r for r in server if r.resource is not None and {
         k.lower(): v for k, v in r.headers.items()}.get("authorization") == "Bearer test-token"])
     needed = set().union(*(needs(request) for request in sent))
-    granted = grants("rbac.yaml", "rbac-keda.yaml")
+    granted = grants("rbac.yaml", "rbac-keda.yaml", "rbac-monitoring.yaml")
     assert {n for n in needed if not any(covers(g, n) for g in granted)} == set()
     assert {g for g in granted if not any(covers(g, n) for n in needed)} == set()
     # The stand-in refused nothing along the way (it authorizes against the same files).
@@ -170,6 +171,11 @@ def test_rbac_grants_exactly_what_the_code_uses(emulated: EmulatedCluster, tmp_p
     # KEDA's kind only in its own file, applied only where KEDA is used.
     assert {g[1] for g in grants("rbac-keda.yaml")} == {"keda.sh"}
     assert "keda.sh" not in {g[1] for g in grants("rbac.yaml")}
+    # The Prometheus Operator's likewise.
+    assert {g[1] for g in grants("rbac-monitoring.yaml")} == {"monitoring.coreos.com"}
+    assert "monitoring.coreos.com" not in {g[1] for g in grants("rbac.yaml")}
+    assert emulated.stored("monitoring.coreos.com/v1/podmonitors", "inference",
+                           "events") is None  # made, then removed with its deployment
 
 
 # The Role as it was before server-side apply's `create` was granted.
