@@ -221,7 +221,9 @@ class LocalBackend:
     def _placement(self, deployment: Deployment, replica: Replica) -> tuple[str, dict[str, str]]:
         gpus = self.gpus()
         if gpus:
-            needed = int(deployment.engine_args.get("tensor_parallel_size") or 1)
+            from controlplane.engine_args import gpu_count
+
+            needed = gpu_count(deployment.engine_args or {})  # tensor x pipeline parallel
             free = [g for g in gpus if g not in self._taken_devices(replica)]
             if len(free) < needed:
                 raise BackendError(f"needs {needed} free GPU(s), {len(free)} of "

@@ -205,3 +205,16 @@ def test_a_stored_backend_outside_the_allow_lists_fails_its_replicas_not_the_pas
     assert not Path(tmp_path / "data" / "replicas" / "old-1.log").exists()
     degraded = Deployment.objects.get(name="gpus").condition("Degraded")
     assert degraded is not None and "KUBERNETES_ALLOWED_IMAGES" in degraded["message"]
+
+
+@pytest.mark.django_db
+def test_a_replica_gets_tensor_times_pipeline_parallel_gpus() -> None:
+    model = make_model("parallel")
+    deployment = make_deployment("parallel", model=model, engine_args={
+        "tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    replica = Replica.objects.create(deployment=deployment, name="parallel-1")
+    backend = LocalBackend(LocalConfig.from_dict({}))
+    backend._gpus = ["0", "1", "2", "3", "4"]
+    devices, env = backend._placement(deployment, replica)
+    assert devices == "gpu:0,1,2,3"
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
