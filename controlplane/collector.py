@@ -33,6 +33,11 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from serving.engine_metrics import (
+    Scrape,
+    parse_reduced,
+    reduce_exposition,
+)
 from serving.sealing import SealError, unseal
 
 logger = logging.getLogger(__name__)
@@ -42,31 +47,6 @@ SUMMARY_SECONDS = 30.0  # the window of the summaries' rates and quantiles
 PARSE_BATCH = 32  # expositions handed to the parser process at a time
 FLEET_GROUP = "dashboard.fleet"
 
-# vLLM's names; older names in parentheses are read when the new one is absent.
-GAUGES = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_cache",
-    "vllm:gpu_cache_usage_perc": "kv_cache",
-}
-COUNTERS = {
-    "vllm:prefix_cache_hits": "prefix_hits",
-    "vllm:prefix_cache_queries": "prefix_queries",
-    "vllm:prompt_tokens": "prompt_tokens",
-    "vllm:generation_tokens": "generation_tokens",
-    "vllm:num_preemptions": "preemptions",
-    "vllm:request_success": "finished",
-}
-HISTOGRAMS = {
-    "vllm:time_to_first_token_seconds": "ttft",
-    "vllm:inter_token_latency_seconds": "itl",
-    "vllm:time_per_output_token_seconds": "itl",
-}
-WANTED = (*GAUGES, *COUNTERS, *HISTOGRAMS)
-# The sample lines read: gauges, counters' _total, histograms' _bucket (not _sum, _count,
-# _created).
-WANTED_SAMPLES = frozenset((*GAUGES, *(f"{name}_total" for name in COUNTERS),
-                            *(f"{name}_bucket" for name in HISTOGRAMS)))
 DCGM = {
     "DCGM_FI_DEV_GPU_UTIL": "gpu_util",
     "DCGM_FI_DEV_FB_USED": "mem_used_mib",
@@ -75,49 +55,6 @@ DCGM = {
     "DCGM_FI_DEV_GPU_TEMP": "temperature_c",
 }
 
-
-
-@dataclass
-class Scrape:
-    """One /metrics text, reduced to what the dashboards use (summed over label sets)."""
-
-    gauges: dict[str, float] = field(default_factory=dict)
-    counters: dict[str, float] = field(default_factory=dict)
-    histograms: dict[str, dict[float, float]] = field(default_factory=dict)
-
-
-def reduce_exposition(text: str) -> str:
-    """The sample lines the dashboards read, with every label but `le` dropped: a vLLM server
-    exposes hundreds of lines, and most of the parser's time goes into labels. Label sets
-    that differ only in dropped labels (engines, finish reasons) become repeated samples,
-    which are added up."""
-    kept = []
-    for line in text.splitlines():
-        if line.startswith("#"):  # samples are matched by name: TYPE and HELP are not read
-            continue
-        if not line.startswith(WANTED):
-            continue
-        open_at = line.find("{")
-        if open_at < 0:
-            if line[:line.find(" ")] in WANTED_SAMPLES:
-                kept.append(line)
-            continue
-        if line[:open_at] not in WANTED_SAMPLES:
-            continue
-        close_at = line.rfind("}")
-        labels = line[open_at + 1:close_at]
-        le_at = labels.find('le="')
-        if le_at < 0:
-            kept.append(line[:open_at] + line[close_at + 1:])
-        else:
-            le_end = labels.find('"', le_at + 4)
-            kept.append(f"{line[:open_at]}{{{labels[le_at:le_end + 1]}}}{line[close_at + 1:]}")
-    return "\n".join(kept) + "\n"
-
-
-def parse_metrics(text: str) -> Scrape:
-    """A /metrics text reduced to the dashboard figures."""
-    return parse_reduced(reduce_exposition(text))
 
 
 def parse_batch(texts: list[str]) -> list[Scrape | None]:
@@ -129,37 +66,6 @@ def parse_batch(texts: list[str]) -> list[Scrape | None]:
         except Exception:
             out.append(None)
     return out
-
-
-def parse_reduced(kept: str) -> Scrape:
-    """Parse a reduced exposition with prometheus-client's parser. Samples are matched by
-    their own names, so TYPE lines written with or without `_total` read the same."""
-    scrape = Scrape()
-    older: dict[str, float] = {}
-    for family in text_string_to_metric_families(kept):
-        for sample in family.samples:
-            name = sample.name
-            if name in GAUGES:
-                target = older if name == "vllm:gpu_cache_usage_perc" else scrape.gauges
-                key = GAUGES[name]
-                target[key] = target.get(key, 0.0) + sample.value
-            elif name.endswith("_total") and name[:-6] in COUNTERS:
-                key = COUNTERS[name[:-6]]
-                scrape.counters[key] = scrape.counters.get(key, 0.0) + sample.value
-            elif name.endswith("_bucket") and name[:-7] in HISTOGRAMS:
-                base = name[:-7]
-                key = HISTOGRAMS[base]
-                if base == "vllm:time_per_output_token_seconds":
-                    key = "_older_itl"
-                buckets = scrape.histograms.setdefault(key, {})
-                bound = float(sample.labels.get("le", "inf"))
-                buckets[bound] = buckets.get(bound, 0.0) + sample.value
-    for key, value in older.items():
-        scrape.gauges.setdefault(key, value)
-    fallback = scrape.histograms.pop("_older_itl", None)
-    if fallback is not None:
-        scrape.histograms.setdefault("itl", fallback)
-    return scrape
 
 
 def quantile(q: float, buckets: dict[float, float]) -> float | None:

@@ -33,6 +33,7 @@ from serving.calls import (
     reserved_completion_tokens,
     well_formed,
 )
+from serving.engine_metrics import requests_in_system
 from serving.keys import (
     KeyInfo,
     KeysUnavailable,
@@ -199,13 +200,8 @@ class Gateway:
                                                  replica_auth(replica))
             except (UpstreamError, TimeoutError):
                 return
-            total = 0.0
-            for line in text.splitlines():
-                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-                    with contextlib.suppress(ValueError):
-                        total += float(line.rsplit(" ", 1)[-1])
             state = self.router.state(replica.name)
-            state.scraped = int(total)
+            state.scraped = int(requests_in_system(text) or 0)
             if state.failures:
                 # Active health: a replica that answers again is taken back in.
                 self.router.succeeded(replica.name)

@@ -35,15 +35,12 @@ def warm_up(http: httpx.Client, deployment: Deployment, endpoint: str) -> None:
 
 def in_flight(http: httpx.Client, endpoint: str, key: str) -> int | None:
     """Requests the server is running or queueing, or None when it cannot be read."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from serving.engine_metrics import requests_in_system
 
     try:
         response = http.get(f"{endpoint}/metrics", timeout=3.0, headers=auth(key))
         response.raise_for_status()
     except httpx.HTTPError:
         return None
-    total = 0.0
-    for family in text_string_to_metric_families(response.text):
-        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-            total += sum(sample.value for sample in family.samples)
-    return int(total)
+    total = requests_in_system(response.text)
+    return None if total is None else int(total)

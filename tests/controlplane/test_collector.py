@@ -22,10 +22,10 @@ from controlplane.collector import (
     Target,
     deployment_group,
     parse_dcgm,
-    parse_metrics,
     quantile,
 )
 from controlplane.models import Replica
+from serving.engine_metrics import parse_metrics
 from serving import gateway as _gateway_in_this_process  # noqa: F401  (as in `serve`)
 from tests.engines import FakeEngine
 from tests.factories import make_backend, make_deployment
