@@ -82,6 +82,25 @@ RESOURCES = ("v1/pods", "v1/services", "v1/secrets", "v1/events", "apps/v1/deplo
              "keda.sh/v1alpha1/scaledobjects", "monitoring.coreos.com/v1/podmonitors")
 
 
+# Plain (non-pointer) bool fields of the kinds the backend applies: Kubernetes serialises
+# them with `omitempty`, so `false` is never returned (`*bool` fields such as
+# automountServiceAccountToken or allowPrivilegeEscalation keep theirs).
+PLAIN_BOOLS = frozenset(("publishNotReadyAddresses", "readOnly", "hostNetwork", "hostPID",
+                         "hostIPC", "stdin", "stdinOnce", "tty", "paused"))
+
+
+def omit_false_plain_fields(value: Any) -> None:
+    """Drop `false` from plain bool fields, as the API server does when it answers."""
+    if isinstance(value, dict):
+        for key in [k for k, v in value.items() if v is False and k in PLAIN_BOOLS]:
+            del value[key]
+        for item in value.values():
+            omit_false_plain_fields(item)
+    elif isinstance(value, list):
+        for item in value:
+            omit_false_plain_fields(item)
+
+
 def rbac_documents(paths: Iterable[Path] = RBAC_FILES) -> list[dict[str, Any]]:
     documents: list[dict[str, Any]] = []
     for path in paths:
@@ -347,6 +366,7 @@ class StandInApiServer(kmock.KubernetesEmulator):
         if not isinstance(body, dict):
             raise Refusal(400, "BadRequest", "the body of the request was not an object")
         metadata = body.setdefault("metadata", {})
+        omit_false_plain_fields(body)
         if request.namespace and metadata.get("namespace") not in (None, request.namespace):
             raise Refusal(400, "BadRequest", "the namespace of the provided object does not "
                           "match the namespace sent on the request")
@@ -432,6 +452,7 @@ class StandInApiServer(kmock.KubernetesEmulator):
                manager: str, operation: str, subresource: str) -> dict[str, Any]:
         resource, key = request.resource, (request.resource, request.namespace, request.name)
         new.setdefault("metadata", {})
+        omit_false_plain_fields(new)
         for field in ("name", "namespace", "uid", "creationTimestamp", "generation"):
             if field in before.get("metadata", {}):
                 new["metadata"][field] = before["metadata"][field]
@@ -856,6 +877,28 @@ class ClusterPlayer:
         self.apps.patch_namespaced_deployment(
             deployment, self.namespace, patch, field_manager=manager,
             _content_type="application/merge-patch+json")
+
+    def keda_hpa(self, scaled_object: str) -> str:
+        """What KEDA's operator makes for a ScaledObject: an HPA `keda-hpa-<name>` carrying
+        all of the ScaledObject's labels, owned by it (ownerReferences)."""
+        from kubernetes import client
+
+        found = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
+            "keda.sh", "v1alpha1", self.namespace, "scaledobjects", scaled_object)
+        metadata = found["metadata"]
+        name = f"keda-hpa-{scaled_object}"
+        client.AutoscalingV2Api(self.api).create_namespaced_horizontal_pod_autoscaler(
+            self.namespace, {
+                "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+                "metadata": {"name": name, "labels": dict(metadata.get("labels") or {}),
+                             "ownerReferences": [{
+                                 "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+                                 "name": scaled_object, "uid": metadata.get("uid") or "uid",
+                                 "controller": True, "blockOwnerDeletion": True}]},
+                "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                                            "name": scaled_object},
+                         "minReplicas": 1, "maxReplicas": 4}})
+        return name
 
     def hpa_scale(self, deployment: str, replicas: int) -> None:
         """The HorizontalPodAutoscaler controller sets the count through the scale

@@ -166,7 +166,10 @@ class Cluster:
                                    label_selector=selector(labels))
         return [item for item in items if all(
             ((item.get("metadata") or {}).get("labels") or {}).get(key) == value
-            for key, value in labels.items())]
+            for key, value in labels.items())
+            # Made by another controller from one of ours (KEDA's HPA copies its
+            # ScaledObject's labels): never this backend's to keep or remove.
+            and not (item.get("metadata") or {}).get("ownerReferences")]
 
     def _raw_list(self, kind: Kind, method: str, doing: str, **kwargs: Any
                   ) -> list[dict[str, Any]]:
@@ -234,8 +237,9 @@ class Cluster:
         return self._raw_list(CORE, "list_namespaced_event", "listing events",
                               field_selector="type=Warning")
 
-    def delete(self, kind_name: str, name: str) -> None:
-        """Remove one object this backend made (gone already is fine)."""
+    def delete(self, kind_name: str, name: str, propagation: str = "Foreground") -> None:
+        """Remove one object this backend made (gone already is fine). `Orphan` leaves
+        what it owns (a Deployment's ReplicaSets and pods) in place."""
         kind = dict(self.kinds()).get(kind_name)
         if kind is None:
             return
@@ -245,7 +249,7 @@ class Cluster:
                              f"deleting {kind_name} {name}", name)
             else:
                 self._call(kind, kind.delete, f"deleting {kind_name} {name}", name,
-                           self.config.namespace, propagation_policy="Foreground")
+                           self.config.namespace, propagation_policy=propagation)
         except ClusterError as exc:
             if exc.status != 404:
                 raise

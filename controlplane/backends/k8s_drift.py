@@ -65,7 +65,15 @@ def _compare(wanted: Any, live: Any, path: str, fields: tuple[tuple[str, Any], .
         return
     if wanted == live or _same_quantity(fields, wanted, live):
         return
+    if live is MISSING and _zero(wanted):
+        return  # the API server leaves zero values of plain fields out of what it returns
     found.append(Difference(path, fields, live, wanted))
+
+
+def _zero(value: Any) -> bool:
+    """A zero value Kubernetes omits when it serialises a non-pointer field (`false`, 0,
+    an empty string, list or map): absent in the live object is the same value."""
+    return value is False or value == 0 or value in ("", [], {})
 
 
 def _same_quantity(fields: tuple[tuple[str, Any], ...], wanted: Any, live: Any) -> bool:

@@ -48,8 +48,8 @@ def steps(emulated: EmulatedCluster, monkeypatch: pytest.MonkeyPatch) -> Iterato
         seen.append(("apply", obj["kind"], options.get("manager", "fleetplane"),
                      (obj.get("spec") or {}).get("replicas", "-"), live()))
 
-    def deleting(self: Cluster, kind: str, name: str) -> None:
-        delete(self, kind, name)
+    def deleting(self: Cluster, kind: str, name: str, **options: Any) -> None:
+        delete(self, kind, name, **options)
         seen.append(("delete", kind, "", "-", live()))
 
     monkeypatch.setattr(Cluster, "apply", applying)
@@ -138,3 +138,22 @@ def test_stopping_removes_the_autoscaler_before_scaling_to_zero(
     assert requests.index(("delete", "HorizontalPodAutoscaler", "-")) < requests.index(
         ("apply", "Deployment", 0))
     assert 1 not in [s[4] for s in steps]
+
+
+def test_the_hpa_keda_makes_for_a_scaled_object_is_left_alone(
+        make: Callable[..., Deployment], player: ClusterPlayer, emulated: EmulatedCluster,
+        steps: list[Step]) -> None:
+    """KEDA copies its ScaledObject's labels (ours) onto the HPA it makes; that HPA is
+    KEDA's (ownerReferences), not a stale autoscaler of ours to remove every pass."""
+    reconciler = Reconciler()
+    deployment = three_serving(make, player, reconciler)
+    switch(deployment, "keda")
+    reconciler.reconcile_all()
+    hpa = player.keda_hpa("chat")
+    steps.clear()
+    for _ in range(3):
+        reconciler.reconcile_all()
+    assert emulated.stored("autoscaling/v2/horizontalpodautoscalers", "inference",
+                           hpa) is not None
+    assert [s for s in steps if s[0] == "delete"] == []
+    assert not AuditEvent.objects.filter(action="autoscaler-removed").exists()
