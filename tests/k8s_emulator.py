@@ -883,21 +883,22 @@ class ClusterPlayer:
         all of the ScaledObject's labels, owned by it (ownerReferences)."""
         from kubernetes import client
 
-        found = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
+        found: Any = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
             "keda.sh", "v1alpha1", self.namespace, "scaledobjects", scaled_object)
         metadata = found["metadata"]
         name = f"keda-hpa-{scaled_object}"
+        body: Any = {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": name, "labels": dict(metadata.get("labels") or {}),
+                     "ownerReferences": [{
+                         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+                         "name": scaled_object, "uid": metadata.get("uid") or "uid",
+                         "controller": True, "blockOwnerDeletion": True}]},
+        "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                                    "name": scaled_object},
+                 "minReplicas": 1, "maxReplicas": 4}}
         client.AutoscalingV2Api(self.api).create_namespaced_horizontal_pod_autoscaler(
-            self.namespace, {
-                "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-                "metadata": {"name": name, "labels": dict(metadata.get("labels") or {}),
-                             "ownerReferences": [{
-                                 "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
-                                 "name": scaled_object, "uid": metadata.get("uid") or "uid",
-                                 "controller": True, "blockOwnerDeletion": True}]},
-                "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
-                                            "name": scaled_object},
-                         "minReplicas": 1, "maxReplicas": 4}})
+            self.namespace, body)
         return name
 
     def hpa_scale(self, deployment: str, replicas: int) -> None:
