@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,27 +24,21 @@ import httpx
 
 from controlplane.backends import k8s_drift, k8s_failures, vllm_http
 from controlplane.backends.base import BackendConfigError, BackendError, Member
-from controlplane.backends.k8s_client import (
-    Cluster,
-    ClusterError,
-    Watch,
-    api_client,
-)
-from controlplane.backends.k8s_manifests import (
+from controlplane.backends.k8s_client import Cluster, ClusterError, api_client
+from controlplane.backends.k8s_config import KubernetesConfig, check_allowed
+from controlplane.backends.k8s_manifests import render
+from controlplane.backends.k8s_names import (
     FIELD_MANAGER,
     INSTALL_LABEL,
     INSTANCE_LABEL,
     ROLE_LABEL,
-    KubernetesConfig,
-    check_allowed,
     deployment_key,
-    managed_labels,
     owner_labels,
-    render,
     selector_changed,
 )
 from controlplane.backends.k8s_pods import DELETION_COST, observe_pod
 from controlplane.backends.k8s_version import UnsupportedKubernetesVersion, check_server_version
+from controlplane.backends.k8s_watch import MANAGED, PodWatcher
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -55,10 +48,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HASH_ANNOTATION = "fleetplane.io/applied-hash"
-MANAGED = managed_labels()  # every object of this install, and only those
 # Victims of the next scale-down get this pod-deletion cost (the default is 0).
 REMOVAL_COST = -1000
-WATCH_SECONDS = 300
 # The manager that holds `spec.replicas` while an autoscaler takes it over.
 HANDOVER_MANAGER = "fleetplane-handover"
 OUR_MANAGERS = (FIELD_MANAGER, HANDOVER_MANAGER)
@@ -67,106 +58,11 @@ AUTOSCALERS = ("HorizontalPodAutoscaler", "ScaledObject")
 # not fully ready.
 TROUBLE_READ_SECONDS = 10.0
 VERSION_RECHECK_SECONDS = 60.0
-BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
 
 
 def spec_hash(objects: list[dict[str, Any]]) -> str:
+    """A short hash of rendered objects: what the hash annotation holds."""
     return hashlib.sha256(json.dumps(objects, sort_keys=True).encode()).hexdigest()[:20]
-
-
-class Gone(Exception):
-    """The watch's resourceVersion is too old (410): list again."""
-
-
-class PodWatcher:
-    """Keeps every pod this control plane manages in the namespace, in memory."""
-
-    def __init__(self, cluster: Cluster, on_change: Callable[[], None]) -> None:
-        self.cluster = cluster
-        self.on_change = on_change
-        self.lock = threading.Lock()
-        self.pods: dict[str, dict[str, Any]] = {}
-        self.synced = False  # a list succeeded and no error since
-        self.watching = False  # a watch is open
-        self.error: ClusterError | None = None
-        self.lists = 0
-        self.failures = 0
-        self.delay = BACKOFF_FIRST
-        self.stopping = threading.Event()
-        self.open_watch: Watch | None = None
-        self.thread = threading.Thread(target=self.run, daemon=True, name="pod-watch")
-
-    def start(self) -> PodWatcher:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.stopping.set()
-        if self.open_watch is not None:
-            self.open_watch.close()
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        with self.lock:
-            return list(self.pods.values())
-
-    def run(self) -> None:
-        self.delay = BACKOFF_FIRST
-        while not self.stopping.is_set():
-            try:
-                version = self.relist()
-                while not self.stopping.is_set():
-                    version = self.follow(version)
-            except Gone:
-                logger.info("pod watch expired (410 Gone): listing again")
-            except Exception as exc:
-                if self.stopping.is_set():
-                    break
-                if isinstance(exc, ClusterError) and exc.status == 410:
-                    logger.info("pod watch expired (HTTP 410): listing again")
-                    continue
-                error = exc if isinstance(exc, ClusterError) else ClusterError(
-                    0, f"watching pods: the connection failed ({exc.__class__.__name__})")
-                self.error, self.synced, self.watching = error, False, False
-                self.failures += 1
-                logger.warning("pod watch failed (%s); again in %.0f s", error, self.delay)
-                self.stopping.wait(self.delay)
-                self.delay = min(self.delay * 2, BACKOFF_MAX)
-
-    def relist(self) -> str:
-        self.watching = False
-        pods, version = self.cluster.list_pods(MANAGED)
-        with self.lock:
-            self.pods = {pod["metadata"]["name"]: pod for pod in pods}
-        self.lists += 1
-        self.synced, self.error = True, None
-        self.on_change()
-        return version
-
-    def follow(self, version: str) -> str:
-        self.open_watch = self.cluster.watch_pods(MANAGED, version, WATCH_SECONDS)
-        self.watching, self.delay = True, BACKOFF_FIRST
-        for event in self.open_watch:
-            if self.stopping.is_set():
-                break
-            kind, obj = event.get("type"), event["object"]
-            if kind == "ERROR":
-                if obj.get("code") == 410:
-                    raise Gone
-                raise ClusterError(int(obj.get("code") or 0),
-                                   f"watching pods: {obj.get('message') or obj}")
-            metadata = obj.get("metadata") or {}
-            name = str(metadata.get("name") or "")
-            version = str(metadata.get("resourceVersion") or version)
-            labels = metadata.get("labels") or {}
-            if kind == "BOOKMARK" or any(labels.get(k) != v for k, v in MANAGED.items()):
-                continue
-            with self.lock:
-                if kind == "DELETED":
-                    self.pods.pop(name, None)
-                else:
-                    self.pods[name] = obj
-            self.on_change()
-        return version
 
 
 def _request_reconcile() -> None:
@@ -176,6 +72,8 @@ def _request_reconcile() -> None:
 
 
 class KubernetesBackend:
+    """The Kubernetes `PodSetBackend`: an apps/v1 Deployment of vLLM pods per deployment."""
+
     creates_replicas = True
     owns_pods = True
 
@@ -203,11 +101,13 @@ class KubernetesBackend:
         self.http = httpx.Client(limits=httpx.Limits(max_connections=64))
 
     def cluster(self) -> Cluster:
+        """The API client, made at first use."""
         if self._cluster is None:
             self._cluster = Cluster(self.config, api_client(self.config, self.api_url))
         return self._cluster
 
     def close(self) -> None:
+        """Stop the pod watch and close the HTTP client."""
         if self.watcher:
             self.watcher.stop()
         self.http.close()
@@ -230,6 +130,7 @@ class KubernetesBackend:
         self.version_ok, self.version_refused = True, None
 
     def refresh(self) -> None:
+        """Read what is applied, the pods and why pods are missing, once per pass."""
         cluster = self.cluster()
         self.check_version(cluster)
         live: dict[str, dict[tuple[str, str], dict[str, Any]]] = {}
@@ -280,6 +181,7 @@ class KubernetesBackend:
 
     @staticmethod
     def read_quietly(read: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """A list read for detail only: empty when the API server refuses it."""
         try:
             return read()
         except ClusterError as exc:  # e.g. a Role without the grant: only less detail
@@ -287,19 +189,24 @@ class KubernetesBackend:
             return []
 
     def deployment_object(self, key: str) -> dict[str, Any] | None:
+        """The live apps/v1 Deployment of a deployment key, if any."""
         return next((obj for (kind, _), obj in self.live.get(key, {}).items()
                      if kind == "Deployment"), None)
 
     def members(self, deployment: Deployment) -> list[Member]:
+        """The deployment's pods as members."""
         return [observe_pod(pod) for pod in self.pods.get(deployment_key(deployment), [])]
 
     def problems(self, deployment: Deployment) -> list[str]:
+        """Why the deployment's pods are missing or failing, as of the last refresh."""
         return list(self.troubles.get(deployment_key(deployment), []))
 
     def notices(self, deployment: Deployment) -> list[tuple[str, str]]:
+        """What the last apply did that a person should hear about (taken once)."""
         return self.notes.pop(deployment_key(deployment), [])
 
     def scales_itself(self) -> bool:
+        """Whether an HPA or KEDA, not the control plane, sets the count."""
         return self.config.scaling != "controlplane"
 
     # --- writing ---------------------------------------------------------------------
@@ -322,25 +229,7 @@ class KubernetesBackend:
         live = self.live.get(key, {})
         wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in objects}
         stale = [item for item in live if item not in wanted]
-        changed: list[dict[str, Any]] = []
-        notes: list[tuple[str, str]] = []
-        for obj in objects:
-            digest = spec_hash([obj])
-            held = live.get((obj["kind"], obj["metadata"]["name"]))
-            found = k8s_drift.differences(obj, held) if held is not None else []
-            ours_changed = held is None or ((held.get("metadata") or {}).get(
-                "annotations") or {}).get(HASH_ANNOTATION) != digest
-            if held is not None and found:
-                drifted = [d for d in found if not ours_changed or any(
-                    manager not in OUR_MANAGERS for manager in k8s_drift.owners(held, d))]
-                if drifted:
-                    text, _ = k8s_drift.describe(
-                        obj["kind"], obj["metadata"]["name"], drifted, held,
-                        ours=OUR_MANAGERS, main=obj["kind"] == "Deployment")
-                    notes.append(("drift", text))
-            if ours_changed or found:
-                obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
-                changed.append(obj)
+        changed, notes = self.changes(objects, live)
         if not changed and not stale:
             return False
         cluster = self.cluster()
@@ -372,6 +261,32 @@ class KubernetesBackend:
                 self.writes += 1
         self.notes.setdefault(key, []).extend(notes)
         return True
+
+    @staticmethod
+    def changes(objects: list[dict[str, Any]], live: dict[tuple[str, str], dict[str, Any]]
+                ) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+        """The rendered objects to send (each given its hash annotation), and a note per
+        object whose live fields someone else changed (drift)."""
+        changed: list[dict[str, Any]] = []
+        notes: list[tuple[str, str]] = []
+        for obj in objects:
+            digest = spec_hash([obj])
+            held = live.get((obj["kind"], obj["metadata"]["name"]))
+            found = k8s_drift.differences(obj, held) if held is not None else []
+            ours_changed = held is None or ((held.get("metadata") or {}).get(
+                "annotations") or {}).get(HASH_ANNOTATION) != digest
+            if held is not None and found:
+                drifted = [d for d in found if not ours_changed or any(
+                    manager not in OUR_MANAGERS for manager in k8s_drift.owners(held, d))]
+                if drifted:
+                    text, _ = k8s_drift.describe(
+                        obj["kind"], obj["metadata"]["name"], drifted, held,
+                        ours=OUR_MANAGERS, main=obj["kind"] == "Deployment")
+                    notes.append(("drift", text))
+            if ours_changed or found:
+                obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
+                changed.append(obj)
+        return changed, notes
 
     def recreate(self, cluster: Cluster, deployment: Deployment, obj: dict[str, Any],
                  error: ClusterError) -> bool:
@@ -419,6 +334,7 @@ class KubernetesBackend:
                 "spec": {"replicas": int(count)}}
 
     def set_role(self, deployment: Deployment, replica: Replica, role: str) -> None:
+        """Label a pod active or standby (seen at once, before the watch)."""
         self.cluster().set_labels(replica.pod_name, {ROLE_LABEL: role})
         self.writes += 1
         for pod in self.pods.get(deployment_key(deployment), []):  # seen at once, before the watch
@@ -426,6 +342,7 @@ class KubernetesBackend:
                 pod["metadata"].setdefault("labels", {})[ROLE_LABEL] = role
 
     def mark_for_removal(self, replica: Replica, marked: bool = True) -> None:
+        """Make a pod the next one a scale-down removes (or no longer)."""
         cost = REMOVAL_COST if marked else 0
         self.cluster().set_deletion_cost(replica.pod_name, cost)
         self.writes += 1
@@ -435,6 +352,7 @@ class KubernetesBackend:
                     pod["metadata"].setdefault("annotations", {})[DELETION_COST] = str(cost)
 
     def remove(self, deployment: Deployment) -> bool:
+        """Delete the deployment's objects; True once its pods are gone."""
         key = deployment_key(deployment)
         if self.live.get(key):
             self.writes += self.cluster().delete_owned(owner_labels(deployment))
@@ -444,16 +362,19 @@ class KubernetesBackend:
     # --- one member ------------------------------------------------------------------
 
     def warm_up(self, deployment: Deployment, replica: Replica) -> None:
+        """Send the pod one real request before it takes traffic."""
         if self.config.warm_up:
             vllm_http.warm_up(self.http, deployment, replica.endpoint)
 
     def in_flight(self, replica: Replica) -> int | None:
+        """Requests the pod is serving, from its /metrics."""
         if not replica.endpoint:
             return None
         return vllm_http.in_flight(self.http, replica.endpoint,
                                    replica.deployment.engine_key())
 
     def logs(self, replica: Replica, lines: int) -> list[str]:
+        """The pod's last log lines."""
         if not replica.pod_name:
             return []
         try:

@@ -13,7 +13,7 @@ import pytest
 
 from controlplane.backends.k8s_client import Cluster, api_client
 from controlplane.backends.k8s_manifests import KubernetesConfig
-from controlplane.backends.kubernetes import PodWatcher
+from controlplane.backends.k8s_watch import PodWatcher
 from tests.k8s_emulator import EmulatedCluster
 from tests.product import free_port
 

@@ -1,0 +1,67 @@
+"""What the collector scrapes: every live replica (ready or draining, with an endpoint),
+read from the database, with the key its /metrics wants; and each deployment's counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.sealing import SealError, unseal
+
+
+@dataclass
+class Target:
+    """One replica to scrape."""
+
+    name: str
+    deployment: str
+    url: str
+    role: str
+    phase: str
+    pid: int | None
+    local: bool
+    #: Sent as `Authorization: Bearer` (the engine key; an external endpoint's own key).
+    key: str = field(default="", repr=False)
+
+
+def scrape_key(kind: str, config: dict[str, Any] | None, sealed: str) -> str:
+    """The bearer token a replica's /metrics wants (Deployment.upstream_key, from the
+    columns a values() query read)."""
+    if kind == "external":
+        return str((config or {}).get("api_key") or "")
+    try:
+        return unseal(sealed)
+    except SealError:
+        return ""
+
+
+def load_targets() -> tuple[list[Target], dict[str, dict[str, int]]]:
+    """The live replicas, and per deployment its desired, ready and standby counts."""
+    from django.db import close_old_connections
+
+    from controlplane.models import Deployment, Replica
+
+    close_old_connections()
+    deployments = {d.name: {"desired": d.desired_replicas(), "ready": 0, "standby": 0}
+                   for d in Deployment.objects.filter(deleting=False)}
+    targets = []
+    keys: dict[str, str] = {}
+    live = (Replica.Phase.READY, Replica.Phase.DRAINING)
+    for row in Replica.objects.filter(phase__in=live).exclude(endpoint="").values(
+            "name", "deployment__name", "endpoint", "role", "phase", "pid",
+            "deployment__backend__kind", "deployment__backend__config",
+            "deployment__engine_key_sealed"):
+        deployment = row["deployment__name"]
+        counts = deployments.setdefault(deployment, {"desired": 0, "ready": 0,
+                                                     "standby": 0})
+        if row["phase"] == Replica.Phase.READY:
+            counts["standby" if row["role"] == "standby" else "ready"] += 1
+        if deployment not in keys:
+            keys[deployment] = scrape_key(row["deployment__backend__kind"],
+                                          row["deployment__backend__config"],
+                                          row["deployment__engine_key_sealed"])
+        targets.append(Target(row["name"], deployment, row["endpoint"], row["role"],
+                              row["phase"], row["pid"],
+                              row["deployment__backend__kind"] == "local",
+                              keys[deployment]))
+    return targets, deployments
