@@ -18,7 +18,6 @@ from controlplane.collector import Collector
 from controlplane.metrics.publishing import FLEET_GROUP, deployment_group
 from controlplane.models import Replica
 from serving import gateway as _gateway_in_this_process  # noqa: F401  (as in `serve`)
-from serving.engine_metrics import parse_metrics
 from tests.engines import FakeEngine
 from tests.factories import make_backend, make_deployment
 
