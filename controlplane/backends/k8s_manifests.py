@@ -30,6 +30,7 @@ from controlplane.backends.k8s_names import (
     ROLE_LABEL,
     deployment_key,
     engine_key_secret_name,
+    install_id,
     managed_labels,
     object_name,
     owner_labels,
@@ -80,8 +81,8 @@ def render(deployment: Deployment, config: KubernetesConfig, scaling: str = "",
     scaling = scaling or config.scaling
     if scaling not in SCALING:
         raise BackendConfigError("scaling", f"one of {', '.join(SCALING)}")
-    if not deployment.desired_replicas() + deployment.desired_standby():
-        scaling = "controlplane"  # stopped, deleting or at zero: no autoscaler, no pods
+    if deployment.deleting or deployment.state != deployment.State.RUNNING:
+        scaling = "controlplane"  # stopped or deleting: no autoscaler, no pods
     spec: dict[str, Any] = {}
     if scaling == "controlplane":
         spec["replicas"] = (deployment.desired_replicas() + deployment.desired_standby()
@@ -249,8 +250,13 @@ def scaled_object(deployment: Deployment, config: KubernetesConfig) -> dict[str,
     the requests the gateway holds for it activates the deployment at the first one."""
     from django.conf import settings
 
+    # The pods' own labels (PodMonitor's podTargetLabels, or a scrape config relabelling
+    # them the same way): another deployment or install serving the same model name in
+    # this namespace is not counted.
     where = (f'namespace="{config.namespace}",'
-             f'model_name="{deployment.served_model_name()}"')
+             f'model_name="{deployment.served_model_name()}",'
+             f'{prometheus_label(INSTANCE_LABEL)}="{object_name(deployment.name)}",'
+             f'{prometheus_label(INSTALL_LABEL)}="{install_id()}"')
     load = (f"(sum(vllm:num_requests_running{{{where}}}) or vector(0)) + "
             f"(sum(vllm:num_requests_waiting{{{where}}}) or vector(0))")
     target = number(native_target(deployment))
@@ -276,6 +282,12 @@ def scaled_object(deployment: Deployment, config: KubernetesConfig) -> dict[str,
             "triggers": triggers,
         },
     }
+
+
+def prometheus_label(label: str) -> str:
+    """A Kubernetes label's name as Prometheus carries it (`app.kubernetes.io/instance`
+    becomes `app_kubernetes_io_instance`)."""
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in label)
 
 
 def to_yaml(objects: list[dict[str, Any]]) -> str:

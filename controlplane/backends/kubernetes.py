@@ -241,10 +241,14 @@ class KubernetesBackend:
                               f"plane sets the replica count again"))
         handover = self.handover(deployment, objects, live)
         if handover is not None:
-            cluster.apply(handover, manager=HANDOVER_MANAGER, force=False)
+            count, raised = handover["spec"]["replicas"], handover.pop("raised")
+            # Raised to the floor, the value changes: the field's owner (the backend's own
+            # stop to 0, or a `kubectl scale`) is overridden, and told so.
+            cluster.apply(handover, manager=HANDOVER_MANAGER, force=bool(raised))
             self.writes += 1
-            notes.append(("handover", f"spec.replicas handed over to the autoscaler at its "
-                          f"live value, {handover['spec']['replicas']}"))
+            notes.append(("handover", "spec.replicas handed over to the autoscaler at "
+                          + (f"its minimum, {count} (it was {raised - 1})" if raised else
+                             f"its live value, {count}")))
         for obj in changed:
             try:
                 cluster.apply(obj)
@@ -318,7 +322,8 @@ class KubernetesBackend:
         the backend's manager applies the Deployment without the field, a separate
         manager applies only the field, at its live value; the field stays (owned by that
         manager) and the autoscaler takes it from there. None when there is nothing to
-        hand over (no live Deployment, an autoscaler already in place, the count ours)."""
+        hand over (no live Deployment, an autoscaler already in place, the count ours).
+        The count handed over is at least the autoscaler's minimum."""
         rendered = next((o for o in objects if o["kind"] == "Deployment"), None)
         held = live.get(("Deployment", rendered["metadata"]["name"])) if rendered else None
         if rendered is None or held is None or "replicas" in rendered["spec"]:
@@ -328,10 +333,17 @@ class KubernetesBackend:
         count = (held.get("spec") or {}).get("replicas")
         if count is None:
             return None
+        # Never below the autoscaler's floor: an HPA leaves a Deployment at 0 alone
+        # (scaling disabled), so one started again after a stop would stay at 0.
+        floor = max((int((o.get("spec") or {}).get(key) or 0) for o in objects
+                     for key in ("minReplicas", "minReplicaCount")
+                     if o["kind"] in AUTOSCALERS), default=0)
         return {"apiVersion": "apps/v1", "kind": "Deployment",
                 "metadata": {"name": rendered["metadata"]["name"],
                              "namespace": self.config.namespace},
-                "spec": {"replicas": int(count)}}
+                "spec": {"replicas": max(int(count), floor)},
+                # 1 + the live count when it is raised to the floor, else 0 (popped)
+                "raised": int(count) + 1 if int(count) < floor else 0}
 
     def set_role(self, deployment: Deployment, replica: Replica, role: str) -> None:
         """Label a pod active or standby (seen at once, before the watch)."""

@@ -157,3 +157,45 @@ def test_the_hpa_keda_makes_for_a_scaled_object_is_left_alone(
                            hpa) is not None
     assert [s for s in steps if s[0] == "delete"] == []
     assert not AuditEvent.objects.filter(action="autoscaler-removed").exists()
+
+
+def test_a_deployment_started_again_under_an_hpa_is_handed_over_at_its_minimum(
+        make: Callable[..., Deployment], player: ClusterPlayer, emulated: EmulatedCluster,
+        steps: list[Step]) -> None:
+    """Stopped, it went to 0 with the HPA removed; started again, the count handed over
+    is the HPA's minimum, not 0 (at 0 an HPA disables scaling and never raises it)."""
+    reconciler = Reconciler()
+    deployment = three_serving(make, player, reconciler)
+    switch(deployment, "hpa")
+    reconciler.reconcile_all()
+    Deployment.objects.filter(pk=deployment.pk).update(state=Deployment.State.STOPPED)
+    converge(reconciler, lambda: emulated.stored(
+        "apps/v1/deployments", "inference", "chat")["spec"]["replicas"] == 0,  # type: ignore[index]
+        "scaled to zero")
+    steps.clear()
+    Deployment.objects.filter(pk=deployment.pk).update(state=Deployment.State.RUNNING)
+    reconciler.reconcile_all()
+    hpa = emulated.stored("autoscaling/v2/horizontalpodautoscalers", "inference", "chat")
+    assert hpa is not None and hpa["spec"]["minReplicas"] == 1
+    stored = emulated.stored("apps/v1/deployments", "inference", "chat")
+    assert stored is not None and stored["spec"]["replicas"] >= 1
+    handovers = [s for s in steps if s[2] == "fleetplane-handover"]
+    assert handovers and handovers[0][3] == 1
+    assert AuditEvent.objects.filter(action="handover",
+                                     message__contains="its minimum, 1 (it was 0)").exists()
+
+
+def test_the_control_planes_count_of_zero_keeps_keda_in_place(
+        make: Callable[..., Deployment], player: ClusterPlayer, emulated: EmulatedCluster,
+        steps: list[Step]) -> None:
+    """A running deployment whose count is 0 under KEDA keeps its ScaledObject: KEDA owns
+    scaling to and from zero; only stopping removes it."""
+    reconciler = Reconciler()
+    deployment = three_serving(make, player, reconciler)
+    switch(deployment, "keda")
+    reconciler.reconcile_all()
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=0)
+    for _ in range(3):
+        reconciler.reconcile_all()
+    assert emulated.stored("keda.sh/v1alpha1/scaledobjects", "inference", "chat") is not None
+    assert not AuditEvent.objects.filter(action="autoscaler-removed").exists()

@@ -561,6 +561,9 @@ def test_hpa_and_keda_scale_on_running_and_waiting_with_one_target(deployment: A
     [trigger] = keda["spec"]["triggers"]
     assert "vllm:num_requests_running{" in trigger["metadata"]["query"]
     assert "vllm:num_requests_waiting{" in trigger["metadata"]["query"]
+    # Only this deployment's pods of this install, not every server of the model name.
+    assert (f'app_kubernetes_io_instance="{object_name(deployment.name)}",'
+            f'fleetplane_io_install="fleetplane"') in trigger["metadata"]["query"]
     assert trigger["metadata"]["threshold"] == "16"
     deployment.autoscaling = {"enabled": True, "signals": [
         {"name": "waiting_per_replica", "target": 2},
