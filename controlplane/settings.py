@@ -253,6 +253,14 @@ KUBERNETES_ALLOWED_HOST_PATHS = env_absolute_paths("KUBERNETES_ALLOWED_HOST_PATH
 # Service accounts vLLM pods may run as (none: the namespace's default; pods never get a
 # token mounted either way).
 KUBERNETES_ALLOWED_SERVICE_ACCOUNTS = env_list("KUBERNETES_ALLOWED_SERVICE_ACCOUNTS")
+# PriorityClasses vLLM pods may take (none unless set: a high class preempts other work).
+KUBERNETES_ALLOWED_PRIORITY_CLASSES = env_list("KUBERNETES_ALLOWED_PRIORITY_CLASSES")
+# Claims a kubernetes backend may mount read-write as its download cache (none unless set;
+# `pvc_name` claims are mounted read-only).
+KUBERNETES_ALLOWED_CACHE_CLAIMS = env_list("KUBERNETES_ALLOWED_CACHE_CLAIMS")
+# Prometheus servers a KEDA ScaledObject may name (KEDA's operator queries them).
+KUBERNETES_ALLOWED_PROMETHEUS_ADDRESSES = env_list(
+    "KUBERNETES_ALLOWED_PROMETHEUS_ADDRESSES", ["http://prometheus.monitoring:9090"])
 # Who the NetworkPolicy of each deployment admits to the replica port: the gateway and
 # controller pods of the control plane's namespace, and Prometheus where its labels are set.
 KUBERNETES_CONTROL_PLANE_NAMESPACE = env_str("KUBERNETES_CONTROL_PLANE_NAMESPACE",

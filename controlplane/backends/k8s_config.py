@@ -216,11 +216,40 @@ def secret_names(name: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+TOLERATION_FIELDS = frozenset(("key", "operator", "value", "effect", "tolerationSeconds"))
+TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
 def tolerations(name: str, value: Any) -> tuple[dict[str, Any], ...]:
-    """A list of tolerations (objects, passed on as they are)."""
+    """A list of tolerations, each of a named taint: one without a key would tolerate every
+    taint of every node (control-plane nodes, nodes kept for other teams)."""
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise BackendConfigError(name, "must be a list of tolerations")
-    return tuple(value)
+    for toleration in value:
+        unknown = sorted(set(toleration) - TOLERATION_FIELDS)
+        if unknown:
+            raise BackendConfigError(name, f"unknown toleration field {unknown[0]!r}; known: "
+                                           f"{', '.join(sorted(TOLERATION_FIELDS))}")
+        key = toleration.get("key")
+        if not isinstance(key, str) or not is_label_key(key):
+            raise BackendConfigError(name, "each toleration names the taint's `key` (one "
+                                           "without a key tolerates every taint)")
+        operator = toleration.get("operator", "Equal")
+        if operator not in ("Equal", "Exists") or (
+                operator == "Exists" and toleration.get("value")):
+            raise BackendConfigError(name, "`operator` is `Equal` (with a `value`) or "
+                                           "`Exists` (without one)")
+        if not isinstance(toleration.get("value", ""), str):
+            raise BackendConfigError(name, "a toleration's `value` is a string")
+        if toleration.get("effect", "") not in ("", *TOLERATION_EFFECTS):
+            raise BackendConfigError(name, f"`effect` is one of "
+                                           f"{', '.join(TOLERATION_EFFECTS)}")
+        seconds = toleration.get("tolerationSeconds")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int)
+                                    or toleration.get("effect") != "NoExecute"):
+            raise BackendConfigError(name, "`tolerationSeconds` is a whole number, with "
+                                           "effect `NoExecute` only")
+    return tuple(dict(t) for t in value)
 
 
 def label_keys(name: str, value: Any) -> tuple[str, ...]:
@@ -303,7 +332,8 @@ def model_source(raw: dict[str, Any], values: dict[str, Any]) -> str:
 
 def check_allowed(values: dict[str, Any]) -> None:
     """What this install's settings allow (docs/security.md): the image, the node path a
-    pod may mount, the service account; and a pinned image tag. An admin key configures
+    pod may mount, the service account, the priority class, a claim mounted read-write,
+    the Prometheus KEDA queries; and a pinned image tag. An admin key configures
     within these bounds."""
     from django.conf import settings
 
@@ -331,3 +361,10 @@ def check_allowed(values: dict[str, Any]) -> None:
         raise BackendConfigError("service_account", f"{account!r} is not a service account "
                                                     f"this install allows "
                                                     f"(KUBERNETES_ALLOWED_SERVICE_ACCOUNTS)")
+    for name, setting in (("priority_class_name", "KUBERNETES_ALLOWED_PRIORITY_CLASSES"),
+                          ("download_cache_pvc", "KUBERNETES_ALLOWED_CACHE_CLAIMS"),
+                          ("prometheus_address", "KUBERNETES_ALLOWED_PROMETHEUS_ADDRESSES")):
+        value = str(values.get(name, getattr(KubernetesConfig, name)))
+        if value and value not in getattr(settings, setting):
+            raise BackendConfigError(name, f"{value!r} is not one this install allows "
+                                           f"({setting})")

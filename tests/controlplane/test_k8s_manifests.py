@@ -475,6 +475,7 @@ def test_volumes_with_weights_are_mounted_read_only_and_downloads_are_sized(
     assert pod["volumes"][1] == {"name": "models", "emptyDir": {"sizeLimit": "100Gi"}}
     assert pod["containers"][0]["volumeMounts"][1]["readOnly"] is False
     assert pod["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "100Gi"
+    settings.KUBERNETES_ALLOWED_CACHE_CLAIMS = ["hf-cache"]
     kept = render(deployment, KubernetesConfig.from_dict(
         {"namespace": "a", "download_cache_pvc": "hf-cache"}))
     validate(kept)
@@ -513,9 +514,11 @@ def test_a_pod_monitor_is_rendered_when_asked(deployment: Any) -> None:
         "podTargetLabels": ["app.kubernetes.io/instance", "fleetplane.io/install"]}
 
 
-def test_topology_spread_and_a_priority_class_are_offered(deployment: Any) -> None:
+def test_topology_spread_and_a_priority_class_are_offered(deployment: Any,
+                                                          settings: Any) -> None:
     plain = pod_of(render(deployment, KubernetesConfig.from_dict({"namespace": "a"})))
     assert "topologySpreadConstraints" not in plain and "priorityClassName" not in plain
+    settings.KUBERNETES_ALLOWED_PRIORITY_CLASSES = ["inference-high"]
     objects = render(deployment, KubernetesConfig.from_dict({
         "namespace": "a", "priority_class_name": "inference-high",
         "topology_spread": ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]}))
@@ -628,6 +631,28 @@ def test_bad_new_settings_name_themselves(raw: dict[str, Any], field: str) -> No
     with pytest.raises(BackendConfigError) as caught:
         KubernetesConfig.from_dict(raw)
     assert caught.value.field == field
+
+
+@pytest.mark.parametrize(("raw", "field", "says"), [
+    # A priority class, a claim mounted read-write and a Prometheus for KEDA's operator to
+    # query: each only where the install's settings list it.
+    ({"priority_class_name": "inference-high"}, "priority_class_name",
+     "KUBERNETES_ALLOWED_PRIORITY_CLASSES"),
+    ({"download_cache_pvc": "models"}, "download_cache_pvc",
+     "KUBERNETES_ALLOWED_CACHE_CLAIMS"),
+    ({"prometheus_address": "http://169.254.169.254/latest"}, "prometheus_address",
+     "KUBERNETES_ALLOWED_PROMETHEUS_ADDRESSES"),
+    # A toleration without a key tolerates every taint of every node.
+    ({"tolerations": [{"operator": "Exists"}]}, "tolerations", "names the taint's `key`"),
+    ({"tolerations": [{"key": "gpu", "operator": "Maybe"}]}, "tolerations", "`operator`"),
+    ({"tolerations": [{"key": "gpu", "effect": "Everything"}]}, "tolerations", "`effect`"),
+    ({"tolerations": [{"key": "gpu", "nodeName": "x"}]}, "tolerations", "unknown"),
+])
+def test_what_an_admin_key_may_not_configure_past_the_installs_lists(
+        raw: dict[str, Any], field: str, says: str) -> None:
+    with pytest.raises(BackendConfigError) as caught:
+        KubernetesConfig.from_dict({"namespace": "a", **raw})
+    assert caught.value.field == field and says in caught.value.message
 
 
 @pytest.mark.parametrize("value", ["Staging", "1st", "a" * 21, "has_underscore", "end-"])
