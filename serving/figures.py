@@ -191,6 +191,7 @@ class FleetFigures:
         self.last_read: float | None = None
         self.remote: dict[str, Snapshot] = {}
         self.remote_at = -math.inf
+        self.failing = False
         self.connection: Any = None
         self.url = ""
         self.fetching: asyncio.Future[dict[str, Snapshot]] | None = None
@@ -253,8 +254,11 @@ class FleetFigures:
         try:
             self.remote = read()
             self.remote_at = time.monotonic()
+            self.failing = False
         except Exception as exc:
-            logger.warning("could not read the gateway figures from Redis: %s", exc)
+            if not self.failing:  # once, until a read works again
+                logger.warning("could not read the gateway figures from Redis: %s", exc)
+            self.failing = True
             if time.monotonic() - self.remote_at > TTL_SECONDS:
                 self.remote = {}
 

@@ -36,21 +36,27 @@ class Messages:
     """What the dashboards of the fleet and of the deployment receive."""
 
     seen: list[dict[str, Any]] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
+    channel: str = ""
 
     async def listen(self, groups: tuple[str, ...], ready: threading.Event) -> None:
         from channels_redis.core import RedisChannelLayer
 
         layer = RedisChannelLayer(hosts=[REDIS])
-        channel = await layer.new_channel()
+        self.channel = await layer.new_channel()
         for group in groups:
-            await layer.group_add(group, channel)
+            await layer.group_add(group, self.channel)
         ready.set()
-        while not self.stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                message = await asyncio.wait_for(layer.receive(channel), 0.5)
-                self.seen.append(orjson.loads(message["text"]))
+        # Never cancelled mid-receive (a message could be lost): `stop` sends the last one.
+        while (message := await layer.receive(self.channel))["type"] != "test.stop":
+            self.seen.append(orjson.loads(message["text"]))
         await layer.flush()
+
+    def stop(self) -> None:
+        from channels_redis.core import RedisChannelLayer
+
+        if self.channel:
+            asyncio.run(RedisChannelLayer(hosts=[REDIS]).send(self.channel,
+                                                              {"type": "test.stop"}))
 
     def wait_for(self, what: str, check: Callable[[dict[str, Any]], bool],
                  seconds: float) -> dict[str, Any]:
@@ -118,7 +124,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 for m in Api(u, key).get("/v1/models")["data"]), 60, 0.2)
         yield Fleet(urls, key, engine, messages)
     finally:
-        messages.stop.set()
+        messages.stop()
         listener.join(timeout=10)
         controllers.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
