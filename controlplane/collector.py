@@ -7,8 +7,9 @@ rate (from counter deltas), TTFT and inter-token latency quantiles (from histogr
 deltas), prompt and generation tokens per second, preemptions, finished requests per second;
 and the accelerator: DCGM exporter figures when DCGM_EXPORTER_URL is set, else NVML for
 local GPUs, else the replica's processes' CPU and memory (psutil), labelled "cpu". The
-gateway's own in-flight requests, request rate and error rate come from this process's
-Prometheus registry (the gateway runs here in the embedded setup).
+gateway's in-flight and queued requests, request rate and error rate come from this
+process's Prometheus registry, and with REDIS_URL are summed over every gateway process
+(serving/figures.py, read by controlplane/metrics/gateway_figures.py).
 
 This module runs the pass and keeps the collector of this process (`current`); the parts
 live in controlplane/metrics/. The message schema pushed to browsers is documented in

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 from django.conf import settings
 
-from serving import metrics
+from serving import figures, metrics  # figures: the gateway figures hook
 from serving.admission import Admission, Refused, Ticket, retry_after_header
 from serving.calls import (
     GatewayError,
@@ -112,6 +112,9 @@ class Gateway:
             self.background = None
             self.admission = Admission()
             self.limiter_url = None
+            # --- gateway figures (serving/figures.py): published for the controllers ---
+            self.spawn(figures.publish_forever())
+            # --- end of gateway figures ---
         if self.limiter_url != (settings.REDIS_URL or ""):
             # Budgets are shared through Redis when it is configured (read here, so a
             # changed setting takes effect), else kept in this process.

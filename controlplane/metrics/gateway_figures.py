@@ -6,46 +6,29 @@ from __future__ import annotations
 
 from collections import deque
 
+from django.conf import settings
+
 from controlplane.metrics.rates import SUMMARY_SECONDS, rate, rounded
 
 
 class GatewayCounters:
-    """This process's gateway counters, as per-deployment rates between two passes."""
+    """The gateway's counters, as per-deployment rates between two passes: this process's,
+    and with REDIS_URL every gateway process's, summed (serving/figures.py)."""
 
     def __init__(self) -> None:
+        from serving.figures import FleetFigures
+
+        self.fleet = FleetFigures()
         self.last: dict[str, tuple[float, float]] = {}
         self.last_at = 0.0
         self.window: deque[tuple[float, dict[str, tuple[float, float]]]] = deque()
 
     def read(self, at: float) -> dict[str, dict[str, float | None]]:
-        from serving import metrics
-
-        totals: dict[str, list[float]] = {}
-        in_flight: dict[str, float] = {}
-        # These two families only: collecting the whole registry walks every histogram.
-        queued: dict[str, float] = {}
-        queue_wait: dict[str, float] = {}
-        for family in (*metrics.REQUESTS.collect(), *metrics.IN_FLIGHT.collect(),
-                       *metrics.QUEUED.collect(), *metrics.QUEUE_ESTIMATE.collect()):
-            if family.name == "fleetplane_gateway_requests":
-                for sample in family.samples:
-                    if sample.name != "fleetplane_gateway_requests_total":
-                        continue
-                    entry = totals.setdefault(sample.labels["deployment"], [0.0, 0.0])
-                    entry[0] += sample.value
-                    if not sample.labels["status"].startswith("2"):
-                        entry[1] += sample.value
-            elif family.name == "fleetplane_gateway_in_flight_requests":
-                for sample in family.samples:
-                    deployment = sample.labels["deployment"]
-                    in_flight[deployment] = in_flight.get(deployment, 0.0) + sample.value
-            elif family.name == "fleetplane_gateway_queue_estimated_wait_seconds":
-                for sample in family.samples:
-                    queue_wait[sample.labels["deployment"]] = sample.value
-            elif family.name == "fleetplane_gateway_queued_requests":
-                for sample in family.samples:
-                    deployment = sample.labels["deployment"]
-                    queued[deployment] = queued.get(deployment, 0.0) + sample.value
+        """Request and error rates per deployment (since the last pass, and over the
+        summary window), with the in-flight, queued and queue-wait figures under
+        `_in_flight`, `_queued` and `_queue_wait`."""
+        figures = self.fleet.read(settings.REDIS_URL or None, at)
+        totals = figures.requests
         seconds = at - self.last_at
         out: dict[str, dict[str, float | None]] = {}
         for deployment, (count, errors) in totals.items():
@@ -71,7 +54,7 @@ class GatewayCounters:
             out[deployment]["window_error_rate"] = (
                 rounded(failed / requests) if requests and failed is not None
                 else (0.0 if requests == 0 else None))
-        out["_in_flight"] = dict(in_flight)  # type: ignore[assignment]
-        out["_queued"] = dict(queued)  # type: ignore[assignment]
-        out["_queue_wait"] = dict(queue_wait)  # type: ignore[assignment]
+        out["_in_flight"] = dict(figures.in_flight)  # type: ignore[assignment]
+        out["_queued"] = dict(figures.queued)  # type: ignore[assignment]
+        out["_queue_wait"] = dict(figures.queue_wait)  # type: ignore[assignment]
         return out
