@@ -89,6 +89,21 @@ PLAIN_BOOLS = frozenset(("publishNotReadyAddresses", "readOnly", "hostNetwork", 
                          "hostIPC", "stdin", "stdinOnce", "tty", "paused"))
 
 
+def removal_rank(pod: dict[str, Any]) -> tuple[int, int, int, int, int]:
+    """The order in which a ReplicaSet removes pods on a scale-down, as Kubernetes ranks
+    them (ActivePodsWithRanks): not yet on a node, then Pending before Running, not ready
+    before ready, and only then the lowest pod-deletion cost; among equals the newest."""
+    metadata, status = pod["metadata"], pod.get("status") or {}
+    phase = {"Pending": 0, "Unknown": 1, "Running": 2}.get(status.get("phase") or "", 0)
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                for c in status.get("conditions") or [])
+    notes = metadata.get("annotations") or {}
+    serial = int(str(metadata.get("name", "")).rsplit("-", 1)[-1] or 0) if str(
+        metadata.get("name", "")).rsplit("-", 1)[-1].isdigit() else 0
+    return (1 if (pod.get("spec") or {}).get("nodeName") else 0, phase, int(ready),
+            int(notes.get("controller.kubernetes.io/pod-deletion-cost", "0")), -serial)
+
+
 def omit_false_plain_fields(value: Any) -> None:
     """Drop `false` from plain bool fields, as the API server does when it answers."""
     if isinstance(value, dict):
@@ -838,11 +853,7 @@ class ClusterPlayer:
                 self.core.create_namespaced_pod(self.namespace, body)
                 created.append(pod_name)
 
-            def cost(pod: dict[str, Any]) -> int:
-                notes = pod["metadata"].get("annotations") or {}
-                return int(notes.get("controller.kubernetes.io/pod-deletion-cost", "0"))
-
-            for victim in sorted(live, key=cost)[:max(0, len(live) - wanted)]:
+            for victim in sorted(live, key=removal_rank)[:max(0, len(live) - wanted)]:
                 self.terminate(victim["metadata"]["name"])
         for owner, pods in by_owner.items():
             if owner not in deployments:
