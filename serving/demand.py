@@ -68,9 +68,9 @@ def total(deployment: str, redis_url: str | None) -> int:
     if not redis_url:
         return count
     try:
-        import redis
+        from serving.redis_clients import shared
 
-        connection = redis.Redis.from_url(redis_url)
+        connection = shared(redis_url)
         for key in connection.scan_iter(match=f"{REDIS_PREFIX}{deployment}:*", count=100):
             if key.decode().rsplit(":", 1)[-1] == PROCESS:
                 continue  # this process's own, counted above

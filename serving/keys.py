@@ -88,10 +88,10 @@ def forget_all() -> None:
 
 
 def _bump_version() -> None:
-    import redis
+    from serving.redis_clients import shared
 
     try:
-        redis.Redis.from_url(str(settings.REDIS_URL)).incr(KEYS_VERSION_KEY)
+        shared(str(settings.REDIS_URL)).incr(KEYS_VERSION_KEY)
     except Exception:
         logger.exception("could not tell other gateways that a key changed")
 

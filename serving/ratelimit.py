@@ -139,10 +139,14 @@ return out
 class RedisLimiter:
     """Shared by every gateway process using the same Redis."""
 
-    def __init__(self, url: str) -> None:
-        import redis.asyncio as redis
+    def __init__(self, url: str = "", *, connection: Any = None) -> None:
+        """On `connection` (an asyncio Redis client the caller keeps), else a client of
+        its own for `url`."""
+        if connection is None:
+            from serving.redis_clients import for_event_loop
 
-        self.connection: Any = redis.Redis.from_url(url)
+            connection = for_event_loop(url)
+        self.connection: Any = connection
         self.script: Any = self.connection.register_script(SCRIPT)
 
     async def _run(self, mode: str, limits: list[Limit]) -> Verdict:

@@ -86,7 +86,9 @@ class Response:
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, pool: Pool, key: tuple[str, int, bool]) -> None:
+    """One keep-alive HTTP/1.1 connection to a replica, one request at a time."""
+
+    def __init__(self, pool: ConnectionPool, key: tuple[str, int, bool]) -> None:
         self.pool, self.key = pool, key
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -242,7 +244,7 @@ class Connection(asyncio.Protocol):
         self.pool.forget(self)
 
 
-class Pool:
+class ConnectionPool:
     """Keep-alive connections per replica (host, port, TLS), reused most recent first."""
 
     def __init__(self) -> None:
@@ -346,7 +348,12 @@ class Pool:
             response.release()
 
     def close(self) -> None:
+        """Close every idle connection."""
         for idle in list(self.idle.values()):
             for connection in list(idle):
                 connection.abort()
         self.idle.clear()
+
+
+#: The older name of ConnectionPool, for callers outside serving/ until they move.
+Pool = ConnectionPool
