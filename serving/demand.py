@@ -26,6 +26,8 @@ PROCESS = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class Demand:
+    """Requests waiting in this process for a deployment to come up."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiting: dict[str, int] = {}
@@ -33,6 +35,7 @@ class Demand:
         self.arrived = threading.Event()
 
     def add(self, deployment: str, count: int) -> int:
+        """Count requests starting (+) or ending (-) a wait; returns the count."""
         if count > 0:
             self.arrived.set()
         with self._lock:
@@ -46,6 +49,7 @@ class Demand:
             return value
 
     def waiting(self, deployment: str) -> int:
+        """How many wait for the deployment here."""
         with self._lock:
             return self._waiting.get(deployment, 0)
 

@@ -30,11 +30,14 @@ UNHEALTHY_SECONDS = 5.0
 
 
 def stable_hash(text: str) -> int:
+    """A hash that is the same in every process."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 @dataclass
 class ReplicaState:
+    """One replica's load and health as this process sees them."""
+
     in_flight: int = 0
     scraped: int = 0  # vLLM's running + waiting, from its /metrics
     unhealthy_until: float = 0.0
@@ -89,6 +92,7 @@ class Router:
 
     def least_loaded(self, candidates: list[RouteReplica]) -> RouteReplica:
         # Ties go round the pool so equal replicas share the load.
+        """The replica with the fewest outstanding requests."""
         best = min(self.load(r.name) for r in candidates)
         tied = [r for r in candidates if self.load(r.name) == best]
         key = ",".join(r.name for r in tied)
@@ -98,6 +102,7 @@ class Router:
 
     def bounded(self, candidates: list[RouteReplica],
                 preference: list[RouteReplica]) -> RouteReplica:
+        """The first preferred replica within the load bound, else the least loaded."""
         total = sum(self.load(r.name) for r in candidates) + 1  # this request included
         bound = math.ceil(LOAD_BOUND * total / len(candidates))
         for replica in preference:
@@ -107,9 +112,11 @@ class Router:
 
     @staticmethod
     def rendezvous(candidates: list[RouteReplica], key: str) -> list[RouteReplica]:
+        """The replicas in the rendezvous-hashing order of `key`."""
         return sorted(candidates, key=lambda r: stable_hash(f"{r.name}|{key}"), reverse=True)
 
     def ring_order(self, candidates: list[RouteReplica], key: str) -> list[RouteReplica]:
+        """The replicas in consistent-hash ring order from `key`."""
         names = tuple(sorted(r.name for r in candidates))
         ring = self.rings.get(names)
         if ring is None:

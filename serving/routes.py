@@ -31,6 +31,8 @@ REDIS_KEY = "fleetplane:routes"
 
 @dataclass(frozen=True)
 class RouteReplica:
+    """One replica a deployment's traffic may go to."""
+
     name: str
     url: str  # the OpenAI base URL without /v1
     #: Sent as `Authorization: Bearer`; "" sends none. Kept out of repr (logs, tracebacks).
