@@ -21,7 +21,8 @@ from serving.gateway.call import Call, Receive, Scope, Send, Timing, build_call,
 from serving.gateway.guard import (
     authenticate_caller,
     charge_rate_limits,
-    held_by_key,
+    hold_for_key,
+    let_go_for_key,
     read_body,
 )
 from serving.gateway.relay import relay, respond
@@ -131,7 +132,8 @@ class Gateway:
                     request_id: str, headers: list[tuple[bytes, bytes]]) -> None:
         """A completion, chat or embedding request, relayed to a replica."""
         key = await authenticate_caller(resources, scope)
-        with held_by_key(self.key_in_flight, key):
+        hold_for_key(self.key_in_flight, key)
+        try:
             timing = Timing()
             raw = await read_body(scope, receive)
             call = build_call(scope, raw, ENDPOINTS[scope["path"]], key, request_id, timing)
@@ -141,7 +143,8 @@ class Gateway:
                 if call.ticket is not None:
                     headers = [*headers, *call.ticket.headers()]
                 await relay(resources, call, stream, send, headers)
-
+        finally:
+            let_go_for_key(self.key_in_flight, key)
 
 def model_object(name: str, found: DeploymentRoutes, created: int) -> dict[str, Any]:
     """A routable model name in OpenAI's model shape, with what a client may plan by."""

@@ -35,7 +35,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Timing:
     """When things happened to one request (time.perf_counter), and what was relayed."""
 
@@ -48,7 +48,7 @@ class Timing:
     events: int = 0  # SSE data events relayed (the completion's size when no usage came)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     """Everything known about one request, from its arrival to its usage record."""
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from django.conf import settings
 
@@ -100,9 +98,9 @@ async def read_body(scope: Scope, receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
-@contextmanager
-def held_by_key(in_flight: dict[int, int], key: KeyInfo) -> Iterator[None]:
-    """Count a request against its key's GATEWAY_KEY_MAX_IN_FLIGHT while it runs."""
+def hold_for_key(in_flight: dict[int, int], key: KeyInfo) -> None:
+    """Count a request against its key's GATEWAY_KEY_MAX_IN_FLIGHT (429 beyond it); the
+    caller lets go with `let_go_for_key` when the request ends."""
     held = in_flight.get(key.key_id, 0)
     most = settings.GATEWAY_KEY_MAX_IN_FLIGHT
     if most and held >= most:
@@ -112,14 +110,15 @@ def held_by_key(in_flight: dict[int, int], key: KeyInfo) -> Iterator[None]:
                            kind="rate_limit_error", code="too_many_requests_in_flight",
                            headers=[(b"retry-after", b"1")])
     in_flight[key.key_id] = held + 1
-    try:
-        yield
-    finally:
-        left = in_flight.get(key.key_id, 1) - 1
-        if left > 0:
-            in_flight[key.key_id] = left
-        else:
-            in_flight.pop(key.key_id, None)
+
+
+def let_go_for_key(in_flight: dict[int, int], key: KeyInfo) -> None:
+    """A request of this key has ended."""
+    left = in_flight.get(key.key_id, 1) - 1
+    if left > 0:
+        in_flight[key.key_id] = left
+    else:
+        in_flight.pop(key.key_id, None)
 
 
 async def charge_rate_limits(resources: Resources, call: Call
