@@ -10,7 +10,14 @@ The gateway is the product itself (`manage.py serve`, controllers included) with
 registered as an external deployment. Everything runs on this machine: engine, gateway and
 load client share its cores.
 
-    .venv/bin/python bench/gateway_overhead.py [--vllm] [--quick]
+With --compare-with PATH (another checkout of the project, e.g. a `git worktree` of an
+older commit with the same .venv), a second server runs that checkout's code before the
+same engines, and each load is sent to the two in interleaved rounds (A, B, A, B) so both
+see the same machine. Besides TTFT and throughput it prints each server's CPU time per
+relayed event (the server process's user + system seconds over the events the client
+received; the least noisy figure on a shared machine) and their ratio.
+
+    .venv/bin/python bench/gateway_overhead.py [--vllm] [--quick] [--compare-with PATH]
 """
 
 from __future__ import annotations
@@ -135,17 +142,38 @@ def start_engine(interval_ms: float, model: str) -> tuple[subprocess.Popen[bytes
 class Product:
     """The control plane, with engines registered as external deployments."""
 
+    root = ROOT  # whose code runs: this checkout's
+
     def __init__(self, **extra_env: str) -> None:
         data = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
+        root = self.root
         self.env = product_env(data / "data", LOG_LEVEL="WARNING", **extra_env)
-        manage(self.env, "migrate", "--noinput", "-v0")
-        self.admin = manage(self.env, "create_api_key", "--name", "bench", "--scope",
-                            "admin").stdout.strip().splitlines()[-1]
-        self.key = manage(self.env, "create_api_key", "--name", "load", "--scope",
-                          "inference").stdout.strip().splitlines()[-1]
+        self.manage("migrate", "--noinput", "-v0")
+        self.admin = self.manage("create_api_key", "--name", "bench", "--scope",
+                                 "admin").stdout.strip().splitlines()[-1]
+        self.key = self.manage("create_api_key", "--name", "load", "--scope",
+                               "inference").stdout.strip().splitlines()[-1]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.process, _ = start_server(self.env, self.port)
+        if root == ROOT:
+            self.process, _ = start_server(self.env, self.port)
+        else:
+            self.process = start_server_in(root, self.env, self.port)
+
+    def manage(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """A manage.py command of this product's checkout."""
+        if self.root == ROOT:
+            return manage(self.env, *args)
+        return subprocess.run([sys.executable, "manage.py", *args], cwd=self.root,
+                              env=self.env, capture_output=True, text=True, timeout=300,
+                              check=True)
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far."""
+        import psutil
+
+        times = psutil.Process(self.process.pid).cpu_times()
+        return float(times.user + times.system)
 
     def api(self, path: str, body: dict[str, object]) -> None:
         response = httpx.post(self.url + path, json=body, timeout=30,
@@ -181,6 +209,112 @@ class Product:
         stop_server(self.process)
 
 
+class OtherCheckout(Product):
+    """The control plane of another checkout of the project (its code, the same venv)."""
+
+    def __init__(self, root: Path, extra_env: dict[str, str]) -> None:
+        self.root = root
+        super().__init__(**extra_env)
+
+
+def start_server_in(root: Path, env: dict[str, str], port: int) -> subprocess.Popen[str]:
+    """`manage.py serve` of another checkout, once it answers /healthz."""
+    process = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port)],
+                               cwd=root, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise SystemExit(f"manage.py serve in {root} did not answer /healthz")
+
+
+@dataclass
+class Side:
+    """One server's figures over the interleaved rounds of one load."""
+
+    runs: list[Run]
+    cpu: float  # seconds of the server's CPU
+
+    @property
+    def events(self) -> int:
+        """Events relayed over every round."""
+        return sum(run.tokens for run in self.runs)
+
+    @property
+    def cpu_per_event_us(self) -> float:
+        """Microseconds of the server's CPU per relayed event."""
+        return self.cpu / max(1, self.events) * 1e6
+
+    def ttft_p50(self) -> float:
+        """TTFT p50 over every round, in ms."""
+        return Run([t for run in self.runs for t in run.ttfts], 0, 1, 0).p(0.5)
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second over every round."""
+        return sum(run.tokens for run in self.runs) / sum(run.seconds for run in self.runs)
+
+
+def interleave(label: str, products: list[Product], model: str, streams: int, tokens: int,
+               rounds: int) -> list[Side]:
+    """The same load sent to each product in turn, `rounds` times (A, B, A, B)."""
+    for product in products:  # warm connection pools at the measured concurrency
+        asyncio.run(load(product.url, model, streams, 8, product.key, 1))
+    sides = [Side([], 0.0) for _ in products]
+    for _ in range(rounds):
+        for product, side in zip(products, sides, strict=True):
+            before = product.cpu_seconds()
+            side.runs.append(asyncio.run(load(product.url, model, streams, tokens,
+                                              product.key, 1)))
+            side.cpu += product.cpu_seconds() - before
+    this, other = sides[0], sides[1]
+    print(f"{label}: {streams} streams x {tokens} tokens, {rounds} interleaved rounds | "
+          f"this: {this.cpu_per_event_us:.1f} us CPU/event, TTFT p50 "
+          f"{this.ttft_p50():.2f} ms, {this.rate:,.0f} tok/s | other: "
+          f"{other.cpu_per_event_us:.1f} us CPU/event, TTFT p50 {other.ttft_p50():.2f} ms, "
+          f"{other.rate:,.0f} tok/s | CPU/event ratio this/other "
+          f"{this.cpu_per_event_us / other.cpu_per_event_us:.3f} | errors "
+          f"{sum(r.errors for r in this.runs)}/{sum(r.errors for r in other.runs)}",
+          flush=True)
+    return sides
+
+
+def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
+    """This checkout's gateway against another's, in interleaved rounds."""
+    other_root = Path(options.compare_with).resolve()
+    rounds = 2 if options.quick else 4
+    products = [Product(**extra_env), OtherCheckout(other_root, extra_env)]
+    processes: list[subprocess.Popen[bytes]] = []
+    summary: list[str] = []
+    try:
+        paced, paced_url = start_engine(10.0, "fake")
+        unpaced, unpaced_url = start_engine(0.0, "fast")
+        processes += [paced, unpaced]
+        for product in products:
+            product.route("fake", paced_url)
+            product.route("fast", unpaced_url)
+        loads = [("paced 10 ms/token", "fake", 16, 256), ("unpaced", "fast", 64, 256)]
+        if not options.quick:
+            loads.insert(0, ("paced 10 ms/token", "fake", 1, 256))
+        for label, model, streams, tokens in loads:
+            this, other = interleave(label, products, model, streams, tokens, rounds)
+            summary.append(f"{label} {streams}: CPU/event x"
+                           f"{this.cpu_per_event_us / other.cpu_per_event_us:.3f} "
+                           f"({this.cpu_per_event_us:.1f} vs {other.cpu_per_event_us:.1f} us)")
+    finally:
+        for product in products:
+            product.stop()
+        for process in processes:
+            process.kill()
+    print(f"gateway overhead against {other_root}: " + "; ".join(summary))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vllm", action="store_true", help="also measure the real vLLM CPU "
@@ -188,9 +322,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for the control plane under test")
+    parser.add_argument("--compare-with", metavar="PATH", help="another checkout of the "
+                        "project: its gateway against this one's, in interleaved rounds")
     options = parser.parse_args()
+    extra_env = dict(item.split("=", 1) for item in options.env)
+    if options.compare_with:
+        compare_checkouts(options, extra_env)
+        return
     rounds = 1 if options.quick else 3
-    product = Product(**dict(item.split("=", 1) for item in options.env))
+    product = Product(**extra_env)
     processes: list[subprocess.Popen[bytes]] = []
     summary: list[str] = []
     try:

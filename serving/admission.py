@@ -42,6 +42,8 @@ class Refused(Exception):
 
 @dataclass
 class Waiter:
+    """A request waiting in a lane."""
+
     priority: PriorityClass
     arrived: float
     order: int
@@ -49,6 +51,7 @@ class Waiter:
     owner: str | None = None
 
     def rank(self, now: float, aging: float) -> tuple[float, int]:
+        """Its place in line: its class's level, less one per aging period waited."""
         return (self.priority.level - (now - self.arrived) / aging, self.order)
 
 
@@ -62,6 +65,7 @@ class Ticket:
     waited: float = 0.0
 
     def headers(self) -> list[tuple[bytes, bytes]]:
+        """The x-queue-* headers of the answer."""
         return [(b"x-queue-position", str(self.position).encode()),
                 (b"x-queue-wait-ms", str(round(self.waited * 1000)).encode()),
                 (b"x-queue-estimated-wait-ms",
@@ -82,12 +86,15 @@ class Lane:
     owners: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def waiting(self) -> int:
+        """How many wait."""
         return sum(len(q) for q in self.queues.values())
 
     def waiters(self) -> list[Waiter]:
+        """Every waiter, class by class."""
         return [w for q in self.queues.values() for w in q]
 
     def forget_owner(self, slot: tuple[str, str]) -> None:
+        """One waiter of this owner and class fewer."""
         left = self.owners.get(slot, 1) - 1
         if left > 0:
             self.owners[slot] = left
@@ -95,6 +102,7 @@ class Lane:
             self.owners.pop(slot, None)
 
     def remove(self, waiter: Waiter) -> None:
+        """Take a waiter out of its queue."""
         queue = self.queues.get(waiter.priority.name)
         if queue is not None and waiter in queue:
             queue.remove(waiter)
@@ -108,6 +116,7 @@ class Lane:
         return ahead
 
     def service_rate(self, now: float) -> float | None:
+        """Requests finished per second over RATE_WINDOW, if measurable."""
         while self.finished and self.finished[0] < now - RATE_WINDOW:
             self.finished.popleft()
         if len(self.finished) < 2:
@@ -116,6 +125,7 @@ class Lane:
         return len(self.finished) / span
 
     def estimate(self, ahead: int, now: float, fallback: float) -> float:
+        """Seconds a request behind `ahead` waiters would wait."""
         if not ahead and self.busy < self.capacity:
             return 0.0
         rate = self.service_rate(now)
@@ -123,11 +133,15 @@ class Lane:
 
 
 class Admission:
+    """The priority queues of one event loop's gateway: one lane per deployment and
+    context pool (named `deployment|pool`)."""
+
     def __init__(self) -> None:
         self.lanes: dict[str, Lane] = {}
         self.counter = itertools.count()
 
     def lane(self, name: str) -> Lane:
+        """The lane named `name`, made on first use."""
         lane = self.lanes.get(name)
         if lane is None:
             lane = self.lanes[name] = Lane()
@@ -156,6 +170,7 @@ class Admission:
         return max(waits, default=0.0)
 
     def set_capacity(self, name: str, capacity: int) -> None:
+        """The lane's slots changed: waiters take the new ones."""
         lane = self.lane(name)
         if lane.capacity != capacity:
             lane.capacity = capacity
@@ -183,19 +198,7 @@ class Admission:
         lane = self.lane(name)
         now = time.monotonic()
         queue = lane.queues.setdefault(priority.name, deque())
-        if len(queue) >= priority.max_queued:
-            retry = lane.estimate(lane.waiting(), now, priority.max_wait_seconds)
-            raise Refused(429, f"the {priority.name} queue of this deployment is full "
-                               f"({priority.max_queued} waiting)", retry, "queue_full")
-        if owner is not None:
-            share = max(1, math.floor(priority.max_queued
-                                      * float(settings.GATEWAY_KEY_QUEUE_SHARE)))
-            mine = lane.owners.get((owner, priority.name), 0)
-            if mine >= share:
-                retry = lane.estimate(lane.waiting(), now, priority.max_wait_seconds)
-                raise Refused(429, f"this caller already has {mine} requests waiting in the "
-                                   f"{priority.name} queue of this deployment (its share is "
-                                   f"{share})", retry, "key_queue_full")
+        refuse_if_full(lane, priority, owner, now)
         waiter = Waiter(priority, now, next(self.counter),
                         asyncio.get_running_loop().create_future(), owner)
         aging = float(settings.GATEWAY_QUEUE_AGING_SECONDS)
@@ -235,6 +238,7 @@ class Admission:
         return Ticket(name, position, estimated, time.monotonic() - now)
 
     def release(self, name: str, *, finished: bool = True) -> None:
+        """Give a slot back (`finished`: a request served, for the service rate)."""
         lane = self.lane(name)
         lane.busy = max(0, lane.busy - 1)
         if finished:
@@ -261,11 +265,32 @@ class Admission:
             best.future.set_result(None)
 
 
+def refuse_if_full(lane: Lane, priority: PriorityClass, owner: str | None,
+                   now: float) -> None:
+    """Raise Refused when the class's queue is full, or the owner holds its share of it."""
+    queue = lane.queues.get(priority.name) or ()
+    if len(queue) >= priority.max_queued:
+        retry = lane.estimate(lane.waiting(), now, priority.max_wait_seconds)
+        raise Refused(429, f"the {priority.name} queue of this deployment is full "
+                           f"({priority.max_queued} waiting)", retry, "queue_full")
+    if owner is not None:
+        share = max(1, math.floor(priority.max_queued
+                                  * float(settings.GATEWAY_KEY_QUEUE_SHARE)))
+        mine = lane.owners.get((owner, priority.name), 0)
+        if mine >= share:
+            retry = lane.estimate(lane.waiting(), now, priority.max_wait_seconds)
+            raise Refused(429, f"this caller already has {mine} requests waiting in the "
+                               f"{priority.name} queue of this deployment (its share is "
+                               f"{share})", retry, "key_queue_full")
+
+
 def queued_gauge(lane: str, priority: str) -> Any:
+    """The gauge of requests waiting in a lane, for one class."""
     from serving import metrics
 
     return metrics.child(metrics.QUEUED, lane.split("|", 1)[0], priority)
 
 
 def retry_after_header(seconds: float) -> tuple[bytes, bytes]:
+    """A Retry-After header of whole seconds (1 to 3600)."""
     return (b"retry-after", str(min(3600, max(1, math.ceil(seconds)))).encode())

@@ -26,6 +26,8 @@ PROCESS = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class Demand:
+    """Requests waiting in this process for a deployment to come up."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiting: dict[str, int] = {}
@@ -33,6 +35,7 @@ class Demand:
         self.arrived = threading.Event()
 
     def add(self, deployment: str, count: int) -> int:
+        """Count requests starting (+) or ending (-) a wait; returns the count."""
         if count > 0:
             self.arrived.set()
         with self._lock:
@@ -46,6 +49,7 @@ class Demand:
             return value
 
     def waiting(self, deployment: str) -> int:
+        """How many wait for the deployment here."""
         with self._lock:
             return self._waiting.get(deployment, 0)
 
@@ -68,9 +72,9 @@ def total(deployment: str, redis_url: str | None) -> int:
     if not redis_url:
         return count
     try:
-        import redis
+        from serving.redis_clients import shared
 
-        connection = redis.Redis.from_url(redis_url)
+        connection = shared(redis_url)
         for key in connection.scan_iter(match=f"{REDIS_PREFIX}{deployment}:*", count=100):
             if key.decode().rsplit(":", 1)[-1] == PROCESS:
                 continue  # this process's own, counted above

@@ -127,24 +127,19 @@ class Publisher:
         self.text, self.written = "", -math.inf
 
 
-async def publish_forever(interval: float = PUBLISH_SECONDS) -> None:
-    """While REDIS_URL is set, this process's snapshot to Redis every `interval` seconds.
-    Never raises: a failure is logged once, and retried until it works again."""
-    import redis.asyncio as redis
-    from django.conf import settings
-
+async def publish_forever(client: Callable[[], Any],
+                          interval: float = PUBLISH_SECONDS) -> None:
+    """While the event loop has a Redis client (`client()`: the loop's own, None without
+    REDIS_URL), this process's snapshot to Redis every `interval` seconds. Never raises:
+    a failure is logged once, and retried until it works again."""
     publisher = Publisher(ttl=3 * interval)
     connection: Any = None
-    url = ""
     failing = False
     while True:
-        wanted = str(settings.REDIS_URL or "")  # read each time: a changed setting counts
         try:
-            if wanted != url:
-                if connection is not None:
-                    await connection.aclose()
-                connection, url = (redis.Redis.from_url(wanted, socket_timeout=interval)
-                                   if wanted else None), wanted
+            current = client()
+            if current is not connection:  # another REDIS_URL: everything written again
+                connection = current
                 publisher.forget()
             if connection is not None:
                 await publisher.publish(connection, local_snapshot(), time.monotonic())

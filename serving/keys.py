@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KeyInfo:
+    """What the gateway knows of a key, cached."""
+
     key_id: int
     name: str
     scope: str
@@ -48,9 +50,11 @@ class KeyInfo:
     key_hash: str = ""  # to look the key up again (running answers of a revoked key end)
 
     def expired(self) -> bool:
+        """Whether the key's expiry has passed."""
         return self.expires is not None and time.time() >= self.expires
 
     def allows(self, *names: str) -> bool:
+        """Whether the key may use any of these model names."""
         return not self.allowed_models or any(n in self.allowed_models for n in names)
 
 
@@ -80,6 +84,7 @@ def clear_cache(**kwargs: object) -> None:
 
 
 def forget_all() -> None:
+    """Forget every cached key here (and tell other processes through Redis)."""
     _generation[0] += 1
     _cache.clear()
     _unknown.clear()
@@ -88,10 +93,10 @@ def forget_all() -> None:
 
 
 def _bump_version() -> None:
-    import redis
+    from serving.redis_clients import shared
 
     try:
-        redis.Redis.from_url(str(settings.REDIS_URL)).incr(KEYS_VERSION_KEY)
+        shared(str(settings.REDIS_URL)).incr(KEYS_VERSION_KEY)
     except Exception:
         logger.exception("could not tell other gateways that a key changed")
 

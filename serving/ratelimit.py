@@ -32,6 +32,8 @@ REDIS_PREFIX = "fleetplane:rl:"
 
 @dataclass(frozen=True)
 class Limit:
+    """One bucket a request is charged to, and its cost."""
+
     kind: str  # "requests" or "tokens": which x-ratelimit-* headers it feeds
     bucket: str  # e.g. "key:12:rpm"
     per_minute: int
@@ -39,11 +41,14 @@ class Limit:
 
     @property
     def interval(self) -> float:
+        """Seconds of budget one unit of cost takes."""
         return WINDOW / self.per_minute
 
 
 @dataclass
 class Verdict:
+    """Whether a request fits its limits, and what they have left."""
+
     allowed: bool
     retry_after: float = 0.0
     # per limit: seconds of budget in use after this request (before it, when refused)
@@ -82,6 +87,7 @@ class MemoryLimiter:
         self.buckets: dict[str, float] = {}
 
     async def admit(self, limits: list[Limit], *, commit: bool = True) -> Verdict:
+        """Check (and with `commit`, charge) every limit at once."""
         now = time.time()
         after = [_step(self.buckets.get(limit.bucket), now, limit) for limit in limits]
         worst = max((t - now - WINDOW for t in after), default=0.0)
@@ -96,11 +102,13 @@ class MemoryLimiter:
         return Verdict(True, 0.0, [t - now for t in after], limits)
 
     async def charge(self, limits: list[Limit]) -> None:
+        """Charge the limits whatever their room."""
         now = time.time()
         for limit in limits:
             self.buckets[limit.bucket] = _step(self.buckets.get(limit.bucket), now, limit)
 
     async def refund(self, limits: list[Limit]) -> None:
+        """Give back what an admitted request was charged."""
         await self.charge([replace(limit, cost=-limit.cost) for limit in limits])
 
 
@@ -139,10 +147,14 @@ return out
 class RedisLimiter:
     """Shared by every gateway process using the same Redis."""
 
-    def __init__(self, url: str) -> None:
-        import redis.asyncio as redis
+    def __init__(self, url: str = "", *, connection: Any = None) -> None:
+        """On `connection` (an asyncio Redis client the caller keeps), else a client of
+        its own for `url`."""
+        if connection is None:
+            from serving.redis_clients import for_event_loop
 
-        self.connection: Any = redis.Redis.from_url(url)
+            connection = for_event_loop(url)
+        self.connection: Any = connection
         self.script: Any = self.connection.register_script(SCRIPT)
 
     async def _run(self, mode: str, limits: list[Limit]) -> Verdict:
@@ -155,9 +167,11 @@ class RedisLimiter:
         return Verdict(bool(int(result[0])), float(result[1]), used, limits)
 
     async def admit(self, limits: list[Limit], *, commit: bool = True) -> Verdict:
+        """Check (and with `commit`, charge) every limit at once."""
         return await self._run("admit" if commit else "peek", limits)
 
     async def charge(self, limits: list[Limit]) -> None:
+        """Charge the limits whatever their room."""
         await self._run("charge", limits)
 
     async def refund(self, limits: list[Limit]) -> None:
@@ -165,6 +179,7 @@ class RedisLimiter:
         await self._run("charge", [replace(limit, cost=-limit.cost) for limit in limits])
 
     async def close(self) -> None:
+        """Close its Redis client."""
         await self.connection.aclose()
 
 

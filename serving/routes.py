@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from serving.sealing import SealError, seal, unseal
@@ -31,6 +31,8 @@ REDIS_KEY = "fleetplane:routes"
 
 @dataclass(frozen=True)
 class RouteReplica:
+    """One replica a deployment's traffic may go to."""
+
     name: str
     url: str  # the OpenAI base URL without /v1
     #: Sent as `Authorization: Bearer`; "" sends none. Kept out of repr (logs, tracebacks).
@@ -43,7 +45,9 @@ def replica_auth(replica: RouteReplica) -> tuple[tuple[str, str], ...]:
 
 
 @dataclass(frozen=True)
-class Pool:
+class DeploymentRoutes:
+    """A deployment's routes: the replicas that take its traffic and how to choose one."""
+
     deployment: str
     served_model_name: str
     policy: str
@@ -64,7 +68,7 @@ class Pool:
     long_prompt_tokens: int | None = None
     long_replicas: tuple[str, ...] = ()
 
-    def lanes(self) -> dict[str, tuple[RouteReplica, ...]]:
+    def context_pools(self) -> dict[str, tuple[RouteReplica, ...]]:
         """The replicas of each context pool: "short" and "long", or one "all"."""
         if not self.long_prompt_tokens:
             return {"all": self.replicas}
@@ -72,23 +76,51 @@ class Pool:
         short = tuple(r for r in self.replicas if r.name not in self.long_replicas)
         return {"short": short, "long": long}
 
-    def lane_for(self, prompt_tokens: int) -> str:
-        """Which pool a prompt of this size goes to (a pool with no replica hands its
-        requests to the other)."""
+    def context_pool_for(self, prompt_tokens: int) -> str:
+        """Which context pool a prompt of this size goes to (a pool with no replica hands
+        its requests to the other)."""
         if not self.long_prompt_tokens:
             return "all"
-        lanes = self.lanes()
+        pools = self.context_pools()
         wanted = "long" if prompt_tokens >= self.long_prompt_tokens else "short"
         other = "short" if wanted == "long" else "long"
-        return wanted if lanes[wanted] or not lanes[other] else other
+        return wanted if pools[wanted] or not pools[other] else other
+
+    def narrowed_to(self, context_pool: str) -> DeploymentRoutes:
+        """The same routes with only the replicas of one context pool."""
+        if context_pool == "all":
+            return self
+        return replace(self, replicas=self.context_pools()[context_pool])
+
+    # The older names, for callers outside serving/ until they move to the new ones.
+    lanes = context_pools
+    lane_for = context_pool_for
+
+
+#: The older name of DeploymentRoutes (it is no connection pool and no context pool).
+Pool = DeploymentRoutes
 
 
 @dataclass
 class RouteTable:
-    pools: dict[str, Pool] = field(default_factory=dict)  # by every name a client may use
+    """Every model name a client may use, with the routes of its deployment."""
 
-    def pool_for(self, model: str) -> Pool | None:
+    #: By every name a client may use (a deployment appears once per name).
+    pools: dict[str, DeploymentRoutes] = field(default_factory=dict)
+
+    def routes_for(self, model: str) -> DeploymentRoutes | None:
+        """The routes of the deployment this model name means, if any."""
         return self.pools.get(model)
+
+    def deployments(self) -> list[DeploymentRoutes]:
+        """Each deployment's routes once, in the table's order."""
+        return list({r.deployment: r for r in self.pools.values()}.values())
+
+    def deployment(self, name: str) -> DeploymentRoutes | None:
+        """The routes of the deployment named `name` (not a model name), if it serves."""
+        return next((r for r in self.pools.values() if r.deployment == name), None)
+
+    pool_for = routes_for  # the older name, for callers outside serving/
 
     def to_json(self, *, sealed: bool = True) -> str:
         """One entry per deployment, in a stable order. Replica keys are sealed (the text
@@ -108,20 +140,23 @@ class RouteTable:
         return build_table([pool_from_dict(raw) for raw in json.loads(text).values()])
 
 
-def pool_from_dict(raw: dict[str, Any]) -> Pool:
-    return Pool(deployment=raw["deployment"], served_model_name=raw["served_model_name"],
-                policy=raw.get("policy", "least-load"), max_model_len=raw.get("max_model_len"),
-                replicas=tuple(RouteReplica(name=r["name"], url=r["url"],
-                                            key=unseal(r.get("key") or ""))
-                               for r in raw.get("replicas", [])),
-                names=tuple(raw.get("names", ())), wakes=bool(raw.get("wakes", False)),
-                replica_concurrency=int(raw.get("replica_concurrency") or 256),
-                priority_scheduling=bool(raw.get("priority_scheduling", False)),
-                long_prompt_tokens=raw.get("long_prompt_tokens"),
-                long_replicas=tuple(raw.get("long_replicas", ())))
+def pool_from_dict(raw: dict[str, Any]) -> DeploymentRoutes:
+    """A deployment's routes as `RouteTable.to_json` wrote them (keys sealed)."""
+    return DeploymentRoutes(
+        deployment=raw["deployment"], served_model_name=raw["served_model_name"],
+        policy=raw.get("policy", "least-load"), max_model_len=raw.get("max_model_len"),
+        replicas=tuple(RouteReplica(name=r["name"], url=r["url"],
+                                    key=unseal(r.get("key") or ""))
+                       for r in raw.get("replicas", [])),
+        names=tuple(raw.get("names", ())), wakes=bool(raw.get("wakes", False)),
+        replica_concurrency=int(raw.get("replica_concurrency") or 256),
+        priority_scheduling=bool(raw.get("priority_scheduling", False)),
+        long_prompt_tokens=raw.get("long_prompt_tokens"),
+        long_replicas=tuple(raw.get("long_replicas", ())))
 
 
-def build_table(pools: list[Pool]) -> RouteTable:
+def build_table(pools: list[DeploymentRoutes]) -> RouteTable:
+    """The table of these deployments, under every name a client may use for each."""
     table = RouteTable()
     for pool in pools:
         for name in pool.names or (pool.served_model_name,):
@@ -142,6 +177,7 @@ class RouteStore:
 
     @property
     def table(self) -> RouteTable:
+        """The current table (replaced whole, never changed in place)."""
         return self._table
 
     def publish(self, table: RouteTable, redis_url: str | None = None) -> bool:
@@ -154,9 +190,9 @@ class RouteStore:
             self._table, self._text = table, text
         if redis_url:
             try:
-                import redis
+                from serving.redis_clients import shared
 
-                redis.Redis.from_url(redis_url).set(REDIS_KEY, table.to_json())
+                shared(redis_url).set(REDIS_KEY, table.to_json())
             except Exception:
                 logger.exception("could not publish the route table to Redis")
         return True

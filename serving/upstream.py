@@ -31,6 +31,8 @@ class UpstreamError(Exception):
 
 @dataclass(frozen=True)
 class Target:
+    """A replica's base URL, parsed: where to connect and what to send."""
+
     host: str
     port: int
     prefix: str
@@ -70,6 +72,7 @@ class Response:
         return await self._connection.read_some()
 
     async def read(self) -> bytes:
+        """The whole body."""
         parts = []
         while chunk := await self.readany():
             parts.append(chunk)
@@ -86,7 +89,9 @@ class Response:
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, pool: Pool, key: tuple[str, int, bool]) -> None:
+    """One keep-alive HTTP/1.1 connection to a replica, one request at a time."""
+
+    def __init__(self, pool: ConnectionPool, key: tuple[str, int, bool]) -> None:
         self.pool, self.key = pool, key
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -109,9 +114,11 @@ class Connection(asyncio.Protocol):
     # --- asyncio.Protocol --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """The socket is open."""
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        """Feed the answer's bytes to the parser."""
         self.received = True
         if self.parser is None:  # bytes nobody asked for: the connection cannot be trusted
             self.abort()
@@ -123,6 +130,7 @@ class Connection(asyncio.Protocol):
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """The socket closed: an answer in progress ends or fails."""
         self.closed = True
         self.pool.forget(self)
         if self.busy and not self.complete:
@@ -136,18 +144,22 @@ class Connection(asyncio.Protocol):
                 )
 
     def pause_writing(self) -> None:  # requests are small; nothing to hold back
+        """Nothing to hold back: requests are small."""
         pass
 
     def resume_writing(self) -> None:
+        """Nothing was held back."""
         pass
 
     # --- httptools callbacks -----------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        """One header of the answer (httptools)."""
         self.header_names.append(name)
         self.header_values.append(value)
 
     def on_headers_complete(self) -> None:
+        """Status and headers known: the caller gets the Response."""
         assert self.parser is not None
         headers = {
             name.decode("latin-1").lower(): value.decode("latin-1")
@@ -160,6 +172,7 @@ class Connection(asyncio.Protocol):
             self.head.set_result(Response(self, self.parser.get_status_code(), headers))
 
     def on_body(self, body: bytes) -> None:
+        """A piece of the body; reading pauses past HIGH_WATER bytes."""
         self.body.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
@@ -168,6 +181,7 @@ class Connection(asyncio.Protocol):
         self.wake()
 
     def on_message_complete(self) -> None:
+        """The answer ended."""
         self.complete = True
         # Asked now: the parser forgets it once the message is over.
         self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
@@ -176,16 +190,19 @@ class Connection(asyncio.Protocol):
     # --- used by the client ------------------------------------------------------------
 
     def wake(self) -> None:
+        """Wake the reader waiting for body bytes."""
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
     def fail(self, error: BaseException) -> None:
+        """The answer cannot complete: the waiting caller gets `error`."""
         self.error = error
         if self.head is not None and not self.head.done():
             self.head.set_exception(error)
         self.wake()
 
     async def send(self, request: bytes) -> Response:
+        """Write one request; wait for the answer's status and headers."""
         if self.closed or self.transport is None:
             raise UpstreamError("the replica closed the connection")
         self.busy, self.received, self.complete, self.error = True, False, False, None
@@ -203,6 +220,7 @@ class Connection(asyncio.Protocol):
             raise
 
     async def read_some(self) -> bytes:
+        """Every body byte buffered now (waiting for some); b"" at the end."""
         while not self.body:
             if self.error is not None:
                 raise self.error
@@ -222,6 +240,7 @@ class Connection(asyncio.Protocol):
         return data
 
     def finish(self) -> None:
+        """The caller is done: back to the pool if reusable, else closed."""
         if not self.busy:
             return
         self.busy = False
@@ -234,6 +253,7 @@ class Connection(asyncio.Protocol):
             self.abort()
 
     def abort(self) -> None:
+        """Close the connection now."""
         self.busy = False
         if not self.closed:
             self.closed = True
@@ -242,7 +262,7 @@ class Connection(asyncio.Protocol):
         self.pool.forget(self)
 
 
-class Pool:
+class ConnectionPool:
     """Keep-alive connections per replica (host, port, TLS), reused most recent first."""
 
     def __init__(self) -> None:
@@ -250,11 +270,13 @@ class Pool:
         self._tls: ssl.SSLContext | None = None
 
     def tls_context(self) -> ssl.SSLContext:
+        """The TLS context, made on first use."""
         if self._tls is None:
             self._tls = ssl.create_default_context()
         return self._tls
 
     async def connect(self, where: Target) -> Connection:
+        """A new connection to the replica (UpstreamError on failure)."""
         loop = asyncio.get_running_loop()
         key = (where.host, where.port, where.tls)
         try:
@@ -276,6 +298,7 @@ class Pool:
         return connection
 
     def take_idle(self, where: Target) -> Connection | None:
+        """A kept-alive connection to the replica, if one is open."""
         idle = self.idle.get((where.host, where.port, where.tls))
         while idle:
             connection = idle.pop()
@@ -285,6 +308,7 @@ class Pool:
         return None
 
     def put_back(self, connection: Connection) -> None:
+        """Keep a connection for the next request (up to IDLE_PER_HOST)."""
         idle = self.idle.setdefault(connection.key, [])
         if len(idle) < IDLE_PER_HOST:
             idle.append(connection)
@@ -292,6 +316,7 @@ class Pool:
             connection.abort()
 
     def forget(self, connection: Connection) -> None:
+        """Drop a closed connection from the idle ones."""
         idle = self.idle.get(connection.key)
         if idle and connection in idle:
             idle.remove(connection)
@@ -346,7 +371,12 @@ class Pool:
             response.release()
 
     def close(self) -> None:
+        """Close every idle connection."""
         for idle in list(self.idle.values()):
             for connection in list(idle):
                 connection.abort()
         self.idle.clear()
+
+
+#: The older name of ConnectionPool, for callers outside serving/ until they move.
+Pool = ConnectionPool

@@ -238,15 +238,15 @@ async def test_the_playground_reaches_a_replica_that_demands_its_key(
 
 async def test_side_by_side_runs_two_deployments_at_once(
         fake_engines: Callable[..., FakeEngine]) -> None:
-    from serving.routes import Pool, RouteReplica
+    from serving.routes import DeploymentRoutes, RouteReplica
 
     left, right = fake_engines("l1", interval_ms=5), fake_engines("r1", model="other",
                                                                   interval_ms=5)
     routes.publish(build_table([
-        Pool(deployment="left", served_model_name="fake", policy="least-load",
+        DeploymentRoutes(deployment="left", served_model_name="fake", policy="least-load",
              max_model_len=2048, replicas=(RouteReplica("l1", left.url),),
              names=("fake", "left")),
-        Pool(deployment="right", served_model_name="other", policy="least-load",
+        DeploymentRoutes(deployment="right", served_model_name="other", policy="least-load",
              max_model_len=2048, replicas=(RouteReplica("r1", right.url),),
              names=("other", "right"))]))
     communicator, _, _ = await connect("/ws/playground/", await make_user())

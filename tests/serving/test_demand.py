@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.models import ApiKey
-from serving.routes import Pool, build_table, routes
+from serving.routes import DeploymentRoutes, build_table, routes
 from tests.factories import make_api_key
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -44,7 +44,7 @@ def test_a_request_held_for_a_deployment_at_zero_is_counted_until_it_ends(
     settings.METRICS_TOKEN = ""
     settings.GATEWAY_COLD_START_WAIT_SECONDS = 3.0
     key = make_api_key(ApiKey.Scope.INFERENCE)
-    routes.publish(build_table([Pool(deployment="sleepy", served_model_name="sleepy",
+    routes.publish(build_table([DeploymentRoutes(deployment="sleepy", served_model_name="sleepy",
                                      policy="least-load", max_model_len=None, replicas=(),
                                      wakes=True)]))
     answers: list[int] = []

@@ -16,7 +16,7 @@ import redis
 from controlplane.models import Replica
 from controlplane.routing import publish_routes
 from serving.models import ApiKey
-from serving.routes import REDIS_KEY, Pool, RouteReplica, RouteStore, build_table
+from serving.routes import REDIS_KEY, DeploymentRoutes, RouteReplica, RouteStore, build_table
 from tests.engines import FakeEngine, publish
 from tests.factories import make_api_key, make_backend, make_deployment, make_model
 
@@ -77,7 +77,7 @@ def test_the_route_table_in_redis_holds_no_key_in_clear(settings: Any) -> None:
     connection = redis.Redis.from_url(REDIS_URL)
     connection.delete(REDIS_KEY)
     secret = "engine-key-that-must-not-leak"
-    table = build_table([Pool(deployment="demo", served_model_name="fake",
+    table = build_table([DeploymentRoutes(deployment="demo", served_model_name="fake",
                               policy="least-load", max_model_len=2048,
                               replicas=(RouteReplica("demo-1", "http://10.0.0.1:8000",
                                                      secret),))])

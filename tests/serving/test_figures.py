@@ -8,7 +8,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import redis
@@ -143,18 +142,26 @@ async def test_the_reader_never_waits_on_redis_inside_an_event_loop() -> None:
 
 
 async def test_publishing_goes_on_through_an_unreachable_redis(
-        settings: Any, caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture) -> None:
+    import redis.asyncio as async_redis
+
     from serving.demand import PROCESS
 
-    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
-    task = asyncio.get_running_loop().create_task(publish_forever(interval=0.05))
+    unreachable = async_redis.Redis.from_url("redis://127.0.0.1:1/0")  # nothing listens
+    reachable = async_redis.Redis.from_url(REDIS_URL)
+    clients = {"now": unreachable}
+    task = asyncio.get_running_loop().create_task(
+        publish_forever(lambda: clients["now"], interval=0.05))
     connection = redis.Redis.from_url(REDIS_URL)
     try:
         with caplog.at_level(logging.WARNING, logger="serving.figures"):
-            await asyncio.sleep(0.3)
-        assert not task.done()
+            deadline = time.monotonic() + 5
+            while not [r for r in caplog.records if "could not publish" in r.message]:
+                assert time.monotonic() < deadline, "the failure was never told"
+                await asyncio.sleep(0.02)
+            assert not task.done()  # a failure never ends the task
         assert len([r for r in caplog.records if "could not publish" in r.message]) == 1
-        settings.REDIS_URL = REDIS_URL
+        clients["now"] = reachable  # the loop's client once REDIS_URL answers again
         deadline = time.monotonic() + 5
         while PROCESS not in fetch_snapshots(connection, skip=""):
             assert time.monotonic() < deadline, "never published once Redis was there"
@@ -162,3 +169,5 @@ async def test_publishing_goes_on_through_an_unreachable_redis(
     finally:
         task.cancel()
         connection.close()
+        await unreachable.aclose()
+        await reachable.aclose()

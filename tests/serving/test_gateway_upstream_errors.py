@@ -15,7 +15,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from serving.routes import Pool, RouteReplica, build_table, routes
+from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
 from serving.services import create_api_key
 from tests.product import free_port
 
@@ -54,7 +54,7 @@ def endpoint_url() -> Iterator[str]:
 
 @pytest.fixture
 def key(endpoint_url: str) -> str:
-    routes.publish(build_table([Pool(deployment="external", served_model_name="ext",
+    routes.publish(build_table([DeploymentRoutes(deployment="external", served_model_name="ext",
                                      policy="least-load", max_model_len=2048,
                                      replicas=(RouteReplica("external-1", endpoint_url),),
                                      names=("ext",))]))

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from serving.models import ApiKey
-from serving.routes import Pool, RouteReplica, build_table, routes
+from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
 from tests.factories import make_api_key
 from tests.product import free_port, wait_healthy
 
@@ -56,7 +56,7 @@ def vllm_url(demo_model_folder: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture
 def key(vllm_url: str) -> str:
-    routes.publish(build_table([Pool(deployment="smollm2", served_model_name=MODEL,
+    routes.publish(build_table([DeploymentRoutes(deployment="smollm2", served_model_name=MODEL,
                                      policy="least-load", max_model_len=1024,
                                      replicas=(RouteReplica("smollm2-1", vllm_url),),
                                      names=(MODEL, "demo-alias"))]))

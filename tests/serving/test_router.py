@@ -3,11 +3,11 @@ from __future__ import annotations
 from collections import Counter
 
 from serving.router import Router
-from serving.routes import Pool, RouteReplica
+from serving.routes import DeploymentRoutes, RouteReplica
 
 
-def pool(policy: str, count: int = 3) -> Pool:
-    return Pool(deployment="demo", served_model_name="demo", policy=policy,
+def pool(policy: str, count: int = 3) -> DeploymentRoutes:
+    return DeploymentRoutes(deployment="demo", served_model_name="demo", policy=policy,
                 max_model_len=2048,
                 replicas=tuple(RouteReplica(f"demo-{i}", f"http://127.0.0.1:{9000 + i}")
                                for i in range(1, count + 1)))

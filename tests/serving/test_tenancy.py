@@ -104,14 +104,13 @@ def test_a_chat_without_max_tokens_reserves_the_rest_of_the_context(
 
 def test_a_request_no_replica_answered_gives_its_tokens_back(
         gateway_url: str, fake_engines: Engines) -> None:
-    from serving.routes import Pool as RoutePool
-    from serving.routes import RouteReplica, build_table, routes
+    from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
     from tests.product import free_port
 
     _, key = create_api_key("unlucky", "inference", tpm=1000)
     body = {"model": "fake", "prompt": "hi", "max_tokens": 900}
     gone = RouteReplica("gone-1", f"http://127.0.0.1:{free_port()}")
-    routes.publish(build_table([RoutePool("demo", "fake", "least-load", 2048, (gone,),
+    routes.publish(build_table([DeploymentRoutes("demo", "fake", "least-load", 2048, (gone,),
                                           ("fake", "demo"))]))
     assert post(gateway_url, key, body).status_code == 503  # every try failed
     publish("demo", [fake_engines("demo-1")])

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import pytest_asyncio
 
-from serving.upstream import Pool, UpstreamError
+from serving.upstream import ConnectionPool, UpstreamError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -73,7 +73,7 @@ async def test_sized_answers_reuse_one_kept_alive_connection(server: RawServer) 
             await writer.drain()
 
     server.handler = handler
-    pool = Pool()
+    pool = ConnectionPool()
     for number in range(3):
         response = await pool.request(
             "POST", server.url, "/v1/completions", b'{"n":%d}' % number, (("X-Request-Id", "abc"),)
@@ -106,7 +106,7 @@ async def test_a_chunked_stream_arrives_piece_by_piece(server: RawServer) -> Non
         await reader.read()
 
     server.handler = handler
-    pool = Pool()
+    pool = ConnectionPool()
     response = await pool.request("POST", server.url + "/prefix/", "/v1/x", b"{}")
     assert response.headers["content-type"] == "text/event-stream"
     assert await response.readany() == b"data: 1\n"
@@ -125,7 +125,7 @@ async def test_a_body_ended_by_closing_the_connection_is_complete(server: RawSer
         await writer.drain()
 
     server.handler = handler
-    pool = Pool()
+    pool = ConnectionPool()
     response = await pool.request("GET", server.url, "/metrics")
     assert await response.read() == b"all of it"
     response.release()
@@ -140,7 +140,7 @@ async def test_a_connection_that_breaks_mid_body_raises(server: RawServer) -> No
         await writer.drain()
 
     server.handler = handler
-    pool = Pool()
+    pool = ConnectionPool()
     response = await pool.request("POST", server.url, "/v1/completions", b"{}")
     with pytest.raises(UpstreamError, match="closed the connection"):
         await response.read()
@@ -155,7 +155,7 @@ async def test_a_kept_alive_connection_closed_by_the_replica_is_replaced(server:
         await writer.drain()
 
     server.handler = handler
-    pool = Pool()
+    pool = ConnectionPool()
     for _ in range(2):
         response = await pool.request("POST", server.url, "/v1/completions", b"{}")
         assert await response.read() == b"{}"
@@ -170,7 +170,7 @@ async def test_an_unreachable_replica_raises_upstream_error() -> None:
     port = probe.sockets[0].getsockname()[1]
     probe.close()
     await probe.wait_closed()
-    pool = Pool()
+    pool = ConnectionPool()
     with pytest.raises(UpstreamError, match="cannot connect"):
         await pool.request("POST", f"http://127.0.0.1:{port}", "/v1/completions", b"{}")
     with pytest.raises(UpstreamError, match="not an http"):
@@ -188,7 +188,7 @@ async def test_closing_a_response_tells_the_replica_at_once(server: RawServer) -
             gone.set()
 
     server.handler = handler
-    pool = Pool()
+    pool = ConnectionPool()
     response = await pool.request("POST", server.url, "/v1/completions", b"{}")
     assert await response.readany() == b"abc"
     response.close()
@@ -208,7 +208,7 @@ async def test_a_fast_replica_is_read_with_bounded_memory(server: RawServer) -> 
             await writer.drain()
 
     server.handler = handler
-    pool = Pool()
+    pool = ConnectionPool()
     response = await pool.request("GET", server.url, "/big")
     await asyncio.sleep(0.3)  # the replica writes as fast as it can meanwhile
     connection = response._connection
@@ -219,7 +219,7 @@ async def test_a_fast_replica_is_read_with_bounded_memory(server: RawServer) -> 
 
 
 async def test_a_header_value_cannot_smuggle_another_header(server: RawServer) -> None:
-    pool = Pool()
+    pool = ConnectionPool()
     with pytest.raises(UpstreamError, match="line break"):
         await pool.request("POST", server.url, "/v1/completions", b"{}",
                            (("X-Request-Id", "a\r\nX-Evil: 1"),))

@@ -1,0 +1,254 @@
+"""The answer relayed to an HTTP client: a stream as it arrives (whatever bytes are
+buffered, in one write, the usage event taken out unless the client asked for it), or a
+whole answer read up to GATEWAY_MAX_RESPONSE_BYTES, errors put in OpenAI's shape.
+
+A client that disconnects has its upstream closed (the engine frees the request's cache);
+a replica that fails mid-stream ends the stream with an SSE error event; a key revoked
+mid-stream has its stream cut off with one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import orjson
+from django.conf import settings
+
+from serving.calls import GatewayError
+from serving.gateway.call import Call, Receive, Send, Timing
+from serving.gateway.placement import wait_for_disconnect
+from serving.gateway.resources import Resources
+from serving.session import Stream
+from serving.upstream import Response, UpstreamError
+
+Headers = list[tuple[bytes, bytes]]
+UPSTREAM_MESSAGE_CHARS = 1000
+
+
+async def relay(resources: Resources, call: Call, stream: Stream, send: Send,
+                headers: Headers) -> None:
+    """Relay the replica's answer to the client, and say on `stream` how it went."""
+    content_type = stream.response.headers.get("content-type", "application/json")
+    out_headers = [*headers, (b"content-type", content_type.encode())]
+    if call.stream and stream.status == 200:
+        out_headers.append((b"cache-control", b"no-cache"))
+        await relay_stream(resources, call, stream, send, out_headers)
+    else:
+        await relay_whole(call, stream, send, headers, out_headers)
+
+
+async def relay_whole(call: Call, stream: Stream, send: Send, headers: Headers,
+                      out_headers: Headers) -> None:
+    """A whole answer, once read; errors in OpenAI's shape."""
+    assert call.receive is not None
+    response = stream.response
+    try:
+        payload = await read_unless_gone(response, call.receive,
+                                         settings.GATEWAY_MAX_RESPONSE_BYTES)
+    except ResponseTooLarge as exc:
+        response.close()
+        stream.status = 502
+        raise GatewayError(502, str(exc), kind="upstream_error",
+                           code="response_too_large") from None
+    except UpstreamError as exc:
+        stream.broke()
+        stream.status = 502
+        raise GatewayError(502, f"the replica failed while answering ({exc})",
+                           kind="upstream_error", code="upstream_error") from None
+    if payload is None:  # the client went away; closing tells the engine
+        response.close()
+        stream.status = 499
+        return
+    call.timing.first_byte = call.timing.last_chunk = time.perf_counter()
+    status = stream.status
+    if not 200 <= status < 300:
+        # Clients parse errors in OpenAI's shape; an engine or an external endpoint may
+        # answer plain text ("404: Not Found") or another JSON.
+        payload = upstream_error_body(status, payload)
+        out_headers = [*headers, (b"content-type", b"application/json")]
+    await respond(send, status, payload, out_headers)
+    usage = None
+    if status == 200:
+        with contextlib.suppress(orjson.JSONDecodeError):
+            parsed = orjson.loads(payload)
+            usage = parsed.get("usage") if isinstance(parsed, dict) else None
+    stream.ended(usage)
+
+
+async def relay_stream(resources: Resources, call: Call, stream: Stream, send: Send,
+                       headers: Headers) -> None:
+    """Relay a stream as it comes, until it ends, the client goes or the key is revoked."""
+    assert call.receive is not None
+    response = stream.response
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    found: dict[str, Any] = {}
+    loop = asyncio.get_running_loop()
+    # Two tasks per stream, none per chunk: one relays, one waits for the client to go.
+    pump = loop.create_task(relay_events(send, response, call.wants_usage, call.timing,
+                                         found))
+    watcher = loop.create_task(wait_for_disconnect(call.receive))
+    key_hash = call.key.key_hash if call.key is not None else ""
+    if key_hash:
+        resources.streams.add(key_hash, pump)  # cut off if the key is revoked meanwhile
+    try:
+        await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        pump.cancel()
+        raise
+    finally:
+        watcher.cancel()
+        if key_hash:
+            resources.streams.discard(key_hash, pump)
+    stream.usage = found.get("usage")
+    if resources.streams.was_cut(pump):  # the key was revoked or expired mid-stream
+        response.close()
+        await send_error_event(send, "the API key was revoked or has expired; the answer "
+                                     "was cut off", "authentication_error", "api_key_revoked")
+    elif not pump.done():  # the client went away: the engine sees it and frees its cache
+        pump.cancel()
+        response.close()
+        stream.ended()
+    elif isinstance(error := pump.exception(), UpstreamError):
+        stream.broke()
+        await send_error_event(send, f"the replica failed mid-stream ({error})",
+                               "upstream_error", 502)
+    elif error is not None:
+        raise error
+    else:
+        stream.ended()
+
+
+async def send_error_event(send: Send, message: str, kind: str, code: str | int) -> None:
+    """End a stream with an SSE error event (the client may be gone already)."""
+    event = {"error": {"message": message, "type": kind, "code": code}}
+    with contextlib.suppress(Exception):
+        await send({"type": "http.response.body",
+                    "body": b"data: " + orjson.dumps(event) + b"\n\n", "more_body": False})
+
+
+async def relay_events(send: Send, response: Response, wants_usage: bool, timing: Timing,
+                       found: dict[str, Any]) -> None:
+    """Relay the upstream as it arrives: whatever bytes are buffered, in one write."""
+    pending = b""
+    while True:
+        chunk = await response.readany()
+        if not chunk:
+            break
+        now = time.perf_counter()
+        if timing.chunks == 0:
+            timing.first_byte = now
+        else:
+            timing.gaps += now - timing.last_chunk
+        timing.last_chunk = now
+        timing.chunks += 1
+        data = pending + chunk if pending else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            pending = data
+            continue
+        if cut + 2 == len(data):
+            complete, pending = data, b""
+        else:
+            complete, pending = data[: cut + 2], data[cut + 2:]
+        timing.events += complete.count(b"data: {")
+        if b'"usage"' in complete and b'"choices":[]' in complete:
+            complete, found["usage"] = take_usage(complete, keep=wants_usage)
+        if complete:
+            await send({"type": "http.response.body", "body": complete, "more_body": True})
+    await send({"type": "http.response.body", "body": pending, "more_body": False})
+
+
+def take_usage(events: bytes, *, keep: bool) -> tuple[bytes, dict[str, Any] | None]:
+    """Find the usage event among complete SSE events; drop it unless the client asked."""
+    usage = None
+    kept = []
+    for event in events.split(b"\n\n"):
+        if not event:
+            continue
+        if event.startswith(b"data: {") and b'"choices":[]' in event and b'"usage"' in event:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                usage = orjson.loads(event[6:]).get("usage")
+            if not keep:
+                continue
+        kept.append(event + b"\n\n")
+    return b"".join(kept), usage
+
+
+class ResponseTooLarge(Exception):
+    """The replica's answer is over GATEWAY_MAX_RESPONSE_BYTES."""
+
+
+async def read_capped(response: Response, limit: int) -> bytes:
+    """The whole upstream body, unless it grows beyond `limit` bytes."""
+    parts, size = [], 0
+    while chunk := await response.readany():
+        size += len(chunk)
+        if size > limit:
+            raise ResponseTooLarge(f"the replica's answer is over the limit of {limit} bytes "
+                                   f"(GATEWAY_MAX_RESPONSE_BYTES); ask for less, or stream it")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def read_unless_gone(response: Response, receive: Receive, limit: int
+                           ) -> bytes | None:
+    """The whole upstream body (at most `limit` bytes), or None when the client
+    disconnects first."""
+    loop = asyncio.get_running_loop()
+    reading = loop.create_task(read_capped(response, limit))
+    watcher = loop.create_task(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({reading, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not reading.done():
+        reading.cancel()
+        return None
+    return reading.result()
+
+
+def upstream_error_body(status: int, payload: bytes) -> bytes:
+    """An upstream error answer in OpenAI's shape: `{"error": {...}}` (vLLM's own, since
+    0.10) passes as it is; vLLM's older `{"object": "error", "message": ...}` and
+    FastAPI's `{"detail": ...}` are wrapped; anything else becomes the message, cut to a
+    readable length. The status is kept by the caller."""
+    try:
+        parsed = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            if isinstance(error.get("type"), str) and "param" in error and "code" in error:
+                return payload
+            return orjson.dumps({"error": {  # the fields a client reads, always there
+                **error, "type": error["type"] if isinstance(error.get("type"), str)
+                else "upstream_error", "param": error.get("param"),
+                "code": error.get("code")}})
+        if parsed.get("object") == "error" and isinstance(parsed.get("message"), str):
+            return orjson.dumps({"error": {
+                "message": parsed["message"][:UPSTREAM_MESSAGE_CHARS],
+                "type": str(parsed.get("type") or "upstream_error"),
+                "param": parsed.get("param") if isinstance(parsed.get("param"), str)
+                else None,
+                "code": parsed.get("code")}})
+        if isinstance(parsed.get("detail"), str):
+            payload = parsed["detail"].encode()
+    text = payload.decode("utf-8", "replace").strip()
+    if len(text) > UPSTREAM_MESSAGE_CHARS:
+        text = text[:UPSTREAM_MESSAGE_CHARS] + "…"
+    return orjson.dumps({"error": {
+        "message": text or f"the upstream answered HTTP {status} with no body",
+        "type": "upstream_error", "param": None, "code": "upstream_error"}})
+
+
+async def respond(send: Send, status: int, body: bytes, headers: Headers) -> None:
+    """A whole answer, with its length (and a JSON content type unless one is given)."""
+    names = {name for name, _ in headers}
+    extra = [] if b"content-type" in names else [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": status,
+                "headers": headers + extra + [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,137 @@
+"""What the gateway's requests share on one event loop, built once when the loop serves
+its first request: the upstream connection pools, the usage writer, the priority queue,
+the rate limiter, the loop's Redis client and the loop's background tasks.
+
+Connections, the usage writer and an asyncio Redis client belong to the loop they were
+made in (tests run several loops one after the other), so a new loop gets new ones. The
+rate limiter and the Redis client follow REDIS_URL, read per request so a changed setting
+takes effect: budgets are shared through Redis when it is configured, else kept here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from django.conf import settings
+
+from serving.admission import Admission
+from serving.ratelimit import Limit, Limiter, MemoryLimiter, RedisLimiter
+from serving.redis_clients import for_event_loop
+from serving.router import Router
+from serving.upstream import ConnectionPool
+from serving.usage import UsageWriter
+
+logger = logging.getLogger("serving.gateway")
+
+
+class LiveStreams:
+    """The relays of the running streams, by their key's hash: a key revoked meanwhile
+    has its streams cut off."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, set[asyncio.Task[None]]] = {}
+        self.cut_off: set[asyncio.Task[None]] = set()
+
+    def add(self, key_hash: str, pump: asyncio.Task[None]) -> None:
+        """Follow a stream's relay."""
+        self.by_key.setdefault(key_hash, set()).add(pump)
+
+    def discard(self, key_hash: str, pump: asyncio.Task[None]) -> None:
+        """Forget a relay that ended."""
+        mine = self.by_key.get(key_hash)
+        if mine is not None:
+            mine.discard(pump)
+            if not mine:
+                del self.by_key[key_hash]
+
+    def cut(self, key_hash: str) -> None:
+        """End every running stream of this key."""
+        for pump in self.by_key.pop(key_hash, ()):
+            if not pump.done():
+                self.cut_off.add(pump)
+                pump.cancel()
+
+    def was_cut(self, pump: asyncio.Task[None]) -> bool:
+        """Whether this relay ended because its key was revoked (asked once)."""
+        if pump in self.cut_off:
+            self.cut_off.discard(pump)
+            return True
+        return False
+
+
+class Resources:
+    """One event loop's share of the gateway, handed to every stage with the call."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, router: Router,
+                 streams: LiveStreams) -> None:
+        self.loop = loop
+        self.router = router  # the process's: replica health outlives a loop
+        self.streams = streams
+        self.connections = ConnectionPool()
+        self.usage = UsageWriter()
+        self.admission = Admission()
+        self.redis_url = ""
+        self.redis: Any = None  # the loop's asyncio Redis client, while REDIS_URL is set
+        self.limiter: Limiter = MemoryLimiter()
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.background: dict[str, asyncio.Task[None]] = {}
+        self.work = background_work()
+
+    def follow_settings(self) -> None:
+        """Take a changed REDIS_URL: a new client, and budgets kept where it says."""
+        url = settings.REDIS_URL or ""
+        if url == self.redis_url:
+            return
+        old, self.redis_url = self.redis, url
+        self.redis = for_event_loop(url) if url else None
+        self.limiter = RedisLimiter(connection=self.redis) if url else MemoryLimiter()
+        if old is not None:
+            self.spawn(old.aclose())
+
+    def keep_background(self) -> None:
+        """Start the loop's background tasks, once (and again should one have ended).
+
+        The place for a per-loop background task is `background_work()`: each entry is
+        called with these resources and runs for the life of the loop."""
+        for name, work in self.work.items():
+            task = self.background.get(name)
+            if task is None or task.done():
+                self.background[name] = self.loop.create_task(work(self))
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run `work` beside the request, holding on to it until it ends."""
+        task = self.loop.create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def charge(self, charges: list[Limit]) -> None:
+        """Charge tokens used to the rate limits (logged, not raised, on failure)."""
+        try:
+            await self.limiter.charge(charges)
+        except Exception:
+            logger.exception("could not charge tokens to the rate limits")
+
+    async def refund(self, limits: list[Limit]) -> None:
+        """Give back the budget of a request no replica answered."""
+        try:
+            await self.limiter.refund(limits)
+        except Exception:
+            logger.exception("could not give back a refused request's budget")
+
+
+BackgroundWork = Callable[[Resources], Coroutine[Any, Any, None]]
+
+
+def background_work() -> dict[str, BackgroundWork]:
+    """The tasks each event loop runs for its life, by name."""
+    from serving import figures
+    from serving.gateway.watcher import watch_load
+
+    def publish_figures(resources: Resources) -> Coroutine[Any, Any, None]:
+        return figures.publish_forever(lambda: resources.redis)
+
+    # The figures the controllers sum over every gateway process (serving/figures.py).
+    return {"load watcher": watch_load, "figures": publish_figures}

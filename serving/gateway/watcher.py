@@ -1,0 +1,98 @@
+"""The load watcher, one per event loop: every GATEWAY_LOAD_SCRAPE_SECONDS it scrapes
+each routed replica's queue (vLLM's running + waiting) for least-load routing, follows the
+route table and key changes through Redis when the controller runs elsewhere, gives the
+priority queue the slots of the replicas that came or went, and cuts off the streams of
+keys revoked meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from django.conf import settings
+
+from serving import metrics
+from serving.engine_metrics import requests_in_system
+from serving.gateway.resources import Resources
+from serving.keys import authenticate_hash, follow_key_changes
+from serving.routes import REDIS_KEY, RouteReplica, replica_auth, routes
+from serving.upstream import UpstreamError
+
+logger = logging.getLogger("serving.gateway")
+
+
+async def watch_load(resources: Resources) -> None:
+    """Run the watcher's pass for the life of the event loop."""
+    while True:
+        try:
+            resources.follow_settings()
+            if resources.redis is not None:
+                await follow_key_changes(resources.redis)
+                if not routes.publishes_locally:
+                    await load_routes_from_redis(resources.redis)
+            await scrape_load(resources)
+            refresh_capacity(resources)
+        except Exception:
+            logger.exception("load watcher failed; trying again")
+        try:
+            await end_streams_of_revoked_keys(resources)
+        except Exception:
+            logger.exception("could not check the keys of running streams")
+        await asyncio.sleep(settings.GATEWAY_LOAD_SCRAPE_SECONDS)
+
+
+async def end_streams_of_revoked_keys(resources: Resources) -> None:
+    """Cut off the running streams of keys revoked or expired since they began (seen
+    through the key cache: at once in this process, within GATEWAY_LOAD_SCRAPE_SECONDS
+    in others with Redis, within KEY_CACHE_SECONDS without)."""
+    for key_hash in list(resources.streams.by_key):
+        if await authenticate_hash(key_hash) is None:
+            resources.streams.cut(key_hash)
+
+
+def refresh_capacity(resources: Resources) -> None:
+    """Replicas came or went: waiting requests take the new slots."""
+    now = time.monotonic()
+    router, admission = resources.router, resources.admission
+    for deployment in routes.table.deployments():
+        for pool, replicas in deployment.context_pools().items():
+            # Healthy replicas only, as at admission: no slots on one sitting out.
+            healthy = sum(1 for r in replicas if router.state(r.name).unhealthy_until <= now)
+            admission.set_capacity(f"{deployment.deployment}|{pool}",
+                                   healthy * deployment.replica_concurrency)
+        metrics.child(metrics.QUEUE_ESTIMATE, deployment.deployment).set(
+            round(admission.estimated_wait(deployment.deployment), 3))
+
+
+async def load_routes_from_redis(connection: Any) -> None:
+    """Take the route table the controller published in Redis."""
+    text = await connection.get(REDIS_KEY)
+    if text:
+        routes.load_json(text.decode() if isinstance(text, bytes) else str(text))
+
+
+async def scrape_load(resources: Resources) -> None:
+    """Each routed replica's running + waiting requests, into the router's state."""
+    replicas = {r.name: r for deployment in routes.table.pools.values()
+                for r in deployment.replicas}
+    router = resources.router
+    router.forget_missing(set(replicas))
+    if not replicas:
+        return
+    client = resources.connections
+
+    async def one(replica: RouteReplica) -> None:
+        try:
+            async with asyncio.timeout(2):
+                text = await client.get_text(replica.url, "/metrics", replica_auth(replica))
+        except (UpstreamError, TimeoutError):
+            return
+        state = router.state(replica.name)
+        state.scraped = int(requests_in_system(text) or 0)
+        if state.failures:
+            # Active health: a replica that answers again is taken back in.
+            router.succeeded(replica.name)
+
+    await asyncio.gather(*(one(r) for r in replicas.values()))

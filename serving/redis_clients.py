@@ -1,0 +1,37 @@
+"""The Redis clients of the data plane, made once rather than per use.
+
+- `shared(url)`: the blocking client of this process (redis-py's is thread-safe, with its
+  own connection pool), for the few writes and reads made outside the event loop: the
+  route table published by the controller, the key-change bump on commit, the demand
+  count the autoscaler reads.
+- The event loop's own asyncio client is held by the gateway's per-loop resources
+  (serving/gateway/resources.py): an asyncio client belongs to the loop it was made in.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_clients: dict[str, Any] = {}
+
+
+def shared(url: str) -> Any:
+    """This process's blocking client for `url`."""
+    client = _clients.get(url)
+    if client is None:
+        import redis
+
+        with _lock:
+            client = _clients.get(url)
+            if client is None:
+                client = _clients[url] = redis.Redis.from_url(url)
+    return client
+
+
+def for_event_loop(url: str) -> Any:
+    """A new asyncio client for `url`, to be kept by the event loop that made it."""
+    import redis.asyncio as redis
+
+    return redis.Redis.from_url(url)
