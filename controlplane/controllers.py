@@ -1,34 +1,36 @@
 """Runs the controllers: a reconcile pass every RECONCILE_INTERVAL_SECONDS, or at once when
-a change asks for one. Passes run in a worker thread so the event loop never blocks."""
+a change asks for one (controlplane/wakeups.py). Passes run in a worker thread so the event
+loop never blocks.
+
+The collector is reached through its module (`collector.run_collector`), so that it is
+looked up when the controllers start."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
+from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import close_old_connections
 
-if TYPE_CHECKING:  # the reconciler needs the app registry; it is imported when it runs
-    from controlplane.reconciler import Reconciler
+from controlplane import collector, liveness
+from controlplane.autoscaler.runner import Autoscaler
+from controlplane.leader import LeaseElection
+from controlplane.reconciler import Reconciler
+from controlplane.routing import publish_routes
+from controlplane.wakeups import reconcile_requested, request_reconcile
+from serving.demand import demand
+
+__all__ = ["publish_decisions", "request_reconcile", "run_autoscaler", "run_controllers"]
 
 logger = logging.getLogger(__name__)
-
-_reconcile_requested = threading.Event()
-
-
-def request_reconcile() -> None:
-    """Ask for a pass now (in this process; other processes notice within one interval)."""
-    _reconcile_requested.set()
 
 
 def _one_pass(reconciler: Reconciler) -> None:
     """One reconcile pass, then the route table it leads to; runs in a worker thread."""
-    from controlplane.routing import publish_routes
-
     close_old_connections()
     try:
         result = reconciler.reconcile_all()
@@ -40,8 +42,7 @@ def _one_pass(reconciler: Reconciler) -> None:
 
 
 async def run_controllers(stop: asyncio.Event) -> None:
-    from controlplane.leader import LeaseElection
-
+    """Run the controllers until `stop` is set; with leader election, only while leading."""
     election = LeaseElection.from_settings()
     if election is not None:
         logger.info("waiting to lead (Lease %s/%s, as %s)", election.namespace,
@@ -58,24 +59,19 @@ async def run_controllers(stop: asyncio.Event) -> None:
 
 
 async def _run(stop: asyncio.Event) -> None:
-    from controlplane.collector import run_collector
-    from controlplane.reconciler import Reconciler
-
     reconciler = Reconciler()
     interval = settings.RECONCILE_INTERVAL_SECONDS
     logger.info("controllers running (reconcile every %.1f s)", interval)
-    collector = asyncio.get_running_loop().create_task(run_collector(stop))
+    collecting = asyncio.get_running_loop().create_task(collector.run_collector(stop))
     autoscaler = asyncio.get_running_loop().create_task(run_autoscaler(stop))
     try:
         await _reconcile_loop(reconciler, stop, interval)
     finally:
-        await asyncio.gather(collector, autoscaler, return_exceptions=True)
+        await asyncio.gather(collecting, autoscaler, return_exceptions=True)
 
 
 async def run_autoscaler(stop: asyncio.Event) -> None:
     """A decision every SCRAPE_INTERVAL, after the collector's pass has new figures."""
-    from controlplane.autoscaler import Autoscaler
-
     autoscaler = Autoscaler()
 
     def one_pass() -> bool:
@@ -84,8 +80,6 @@ async def run_autoscaler(stop: asyncio.Event) -> None:
             return any(d.changes for _, d in autoscaler.run_once())
         finally:
             close_old_connections()
-
-    from serving.demand import demand
 
     loop = asyncio.get_running_loop()
     while not stop.is_set():
@@ -110,26 +104,20 @@ async def run_autoscaler(stop: asyncio.Event) -> None:
 
 async def publish_decisions(messages: list[dict[str, Any]]) -> None:
     """Each decision to the dashboards of its deployment."""
-    from channels.layers import get_channel_layer
-
-    from controlplane.collector import deployment_group
-
     layer = get_channel_layer()
     if layer is None or not messages:
         return
     try:
         for message in messages:
-            await layer.group_send(deployment_group(message["deployment"]), {
+            await layer.group_send(collector.deployment_group(message["deployment"]), {
                 "type": "dashboard.message", "text": orjson.dumps(message).decode()})
     except Exception:
         logger.exception("publishing autoscaler decisions failed")
 
 
 async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval: float) -> None:
-    from controlplane import liveness
-
     while not stop.is_set():
-        _reconcile_requested.clear()
+        reconcile_requested.clear()
         try:
             await asyncio.to_thread(_one_pass, reconciler)
         except Exception:
@@ -143,7 +131,7 @@ async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval:
 async def _wait_for_next(stop: asyncio.Event, interval: float) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + interval
-    while not stop.is_set() and not _reconcile_requested.is_set():
+    while not stop.is_set() and not reconcile_requested.is_set():
         remaining = deadline - loop.time()
         if remaining <= 0:
             return

@@ -20,10 +20,12 @@ import asyncio
 import logging
 import socket
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from controlplane.liveness import Heartbeat
+from django.conf import settings
+
+from controlplane import liveness
+from controlplane.liveness import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +53,6 @@ class LeaseElection:
     @classmethod
     def from_settings(cls) -> LeaseElection | None:
         """The election the settings ask for, or None (LEADER_ELECTION=none)."""
-        from django.conf import settings
-
-        from controlplane.liveness import heartbeat
-
         if settings.LEADER_ELECTION != "kubernetes":
             return None
         from kubernetes import client as k8s
@@ -65,7 +63,7 @@ class LeaseElection:
         namespace = settings.LEADER_ELECTION_NAMESPACE or _service_account_namespace()
         identity = settings.LEADER_ELECTION_IDENTITY or socket.gethostname()
         return cls(k8s.ApiClient(configuration), namespace, settings.LEADER_ELECTION_LEASE,
-                   identity, settings.LEADER_ELECTION_LEASE_SECONDS, progress=heartbeat)
+                   identity, settings.LEADER_ELECTION_LEASE_SECONDS, progress=liveness.heartbeat)
 
     def attempt(self) -> bool:
         """Acquire or renew the Lease once; True while this process holds it."""

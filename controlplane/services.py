@@ -15,10 +15,11 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 
 from access.redaction import keep_redacted, redact
+from controlplane.autoscaler.policy import Policy, PolicyError
 from controlplane.backends.base import validate_backend_config
-from controlplane.controllers import request_reconcile
 from controlplane.engine_args import engine_args_misfit, validate_engine_args
 from controlplane.models import AuditEvent, Backend, Deployment
+from controlplane.wakeups import request_reconcile
 from models_registry.models import Model
 
 LOCAL_ADMIN_USERNAME = "admin"
@@ -61,6 +62,7 @@ def audit(actor: str, action: str, deployment: Deployment | None, message: str,
 
 
 def spec_of(deployment: Deployment) -> dict[str, Any]:
+    """The spec as events record it, before and after a change."""
     return {"model": deployment.model.name, "backend": deployment.backend.name,
             "engine_args": deployment.engine_args, "replicas": deployment.replicas,
             "min_replicas": deployment.min_replicas, "max_replicas": deployment.max_replicas,
@@ -70,6 +72,7 @@ def spec_of(deployment: Deployment) -> dict[str, Any]:
 
 @transaction.atomic
 def create_backend(name: str, kind: str, config: dict[str, Any], *, actor: str) -> Backend:
+    """A new backend with checked settings; refuses a name in use."""
     if Backend.objects.filter(name=name).exists():
         raise NameTakenError("name", f"a backend named {name!r} already exists")
     backend = Backend.objects.create(name=name, kind=kind,
@@ -96,6 +99,7 @@ def update_backend(backend: Backend, config: dict[str, Any], *, actor: str) -> B
 
 
 def check_counts(replicas: int, min_replicas: int, max_replicas: int) -> None:
+    """min_replicas <= replicas <= max_replicas; raises DeploymentError."""
     if min_replicas > max_replicas:
         raise DeploymentError("min_replicas", f"min_replicas ({min_replicas}) is above "
                                               f"max_replicas ({max_replicas})")
@@ -105,6 +109,7 @@ def check_counts(replicas: int, min_replicas: int, max_replicas: int) -> None:
 
 
 def check_model(model: Model, engine_args: dict[str, Any], backend: Backend) -> None:
+    """The model can be served there with these engine args; raises DeploymentError."""
     if backend.kind == Backend.Kind.LOCAL and not model.is_ready():
         raise DeploymentError("model", f"model {model.name} is {model.status}, not ready")
     misfit = engine_args_misfit(engine_args, model)
@@ -115,6 +120,8 @@ def check_model(model: Model, engine_args: dict[str, Any], backend: Backend) -> 
 
 @dataclass
 class DeploymentSpec:
+    """What a new deployment is asked to be."""
+
     name: str
     model: Model
     backend: Backend
@@ -167,8 +174,6 @@ def check_admission(raw: Any, max_replicas: int) -> dict[str, Any] | None:
 def check_autoscaling(raw: Any, min_replicas: int, max_replicas: int
                       ) -> dict[str, Any] | None:
     """The policy in its stored form, or None; raises DeploymentError naming the field."""
-    from controlplane.autoscaler import Policy, PolicyError
-
     if raw is None:
         return None
     try:
@@ -196,6 +201,7 @@ def check_names(name: str, served: str, aliases: list[str], exclude: int | None 
 
 @transaction.atomic
 def create_deployment(spec: DeploymentSpec, *, actor: str) -> Deployment:
+    """A new deployment from a checked spec; the reconciler starts its replicas."""
     if Deployment.objects.filter(name=spec.name).exists():
         raise NameTakenError("name", f"a deployment named {spec.name!r} already exists")
     engine_args = validate_engine_args(spec.engine_args)
@@ -254,6 +260,7 @@ def update_deployment(deployment: Deployment, changes: dict[str, Any], *,
 
 @transaction.atomic
 def scale_deployment(deployment: Deployment, replicas: int, *, actor: str) -> Deployment:
+    """Set the replica count (lowering min_replicas with it when needed)."""
     deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
     if replicas < 0:
         raise DeploymentError("replicas", "must be 0 or more")
@@ -274,6 +281,7 @@ def scale_deployment(deployment: Deployment, replicas: int, *, actor: str) -> De
 
 @transaction.atomic
 def set_deployment_state(deployment: Deployment, state: str, *, actor: str) -> Deployment:
+    """Stop or start a deployment; the reconciler takes its replicas down or up."""
     deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
     before = deployment.state
     if state == before:

@@ -10,7 +10,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from controlplane.models import AuditEvent, Deployment, Replica
-from controlplane.reconciler import Reconciler, restart_backoff
+from controlplane.reconciler import Reconciler
 from tests.endpoints import StandInEndpoint, stand_in_endpoint
 from tests.factories import make_backend, make_deployment
 
@@ -98,9 +98,3 @@ def test_a_deleted_deployment_goes_once_its_replicas_are_gone(external: Deployme
     reconciler.reconcile_all()
     assert not Deployment.objects.filter(pk=external.pk).exists()
 
-
-def test_restart_backoff_doubles_up_to_its_cap(settings: object) -> None:
-    settings.RESTART_BACKOFF_BASE_SECONDS = 5  # type: ignore[attr-defined]
-    settings.RESTART_BACKOFF_MAX_SECONDS = 60  # type: ignore[attr-defined]
-    delays = [restart_backoff(n).total_seconds() for n in range(1, 7)]
-    assert delays == [5, 10, 20, 40, 60, 60]

@@ -13,7 +13,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from controlplane import collector as collector_module
-from controlplane.autoscaler import Autoscaler
+from controlplane.autoscaler.runner import Autoscaler
 from controlplane.collector import MetricsStore
 from controlplane.models import AuditEvent, Deployment
 from tests.factories import make_deployment, make_model

@@ -1,0 +1,18 @@
+"""Wake-ups for the controllers: a change asks for a reconcile pass now instead of at the
+next interval.
+
+A leaf module (it imports nothing of controlplane/), so that services, backends and the
+controllers' loop can all import it at the top without an import circle.
+"""
+
+from __future__ import annotations
+
+import threading
+
+#: Set when a pass is wanted now; cleared by the controllers' loop as a pass starts.
+reconcile_requested = threading.Event()
+
+
+def request_reconcile() -> None:
+    """Ask for a pass now (in this process; other processes notice within one interval)."""
+    reconcile_requested.set()
