@@ -100,9 +100,9 @@ def register(ports: list[int]) -> None:
 async def traffic(ports: list[int], fraction: float) -> None:
     """Every 2 s, one request to `fraction` of the replicas (in turn), spread over the 2 s:
     their counters and histograms move, the others' stay as they were."""
-    from serving.upstream import Pool
+    from serving.upstream import ConnectionPool
 
-    pool = Pool()
+    pool = ConnectionPool()
     body = b'{"model": "fake", "prompt": "hi", "max_tokens": 4}'
     per_round = max(1, int(len(ports) * fraction))
     batches = max(1, per_round // 25)

@@ -8,13 +8,13 @@ import logging
 from django.conf import settings
 
 from controlplane.models import Deployment, Replica
-from serving.routes import Pool, RouteReplica, build_table, routes
+from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
 from serving.sealing import SealError
 
 logger = logging.getLogger(__name__)
 
 
-def current_pools() -> list[Pool]:
+def current_pools() -> list[DeploymentRoutes]:
     pools = []
     deployments = (Deployment.objects.filter(deleting=False).select_related("model", "backend")
                    .prefetch_related("replica_set"))
@@ -40,7 +40,7 @@ def current_pools() -> list[Pool]:
         oldest = sorted(routable, key=lambda r: (r.ready_at or r.started_at or r.created_at,
                                                  r.name))
         long = tuple(r.name for r in oldest[:min(long_count, len(ready) - 1)])
-        pools.append(Pool(deployment=deployment.name, served_model_name=served,
+        pools.append(DeploymentRoutes(deployment=deployment.name, served_model_name=served,
                           policy=deployment.routing_policy,
                           max_model_len=deployment.engine_args.get("max_model_len")
                           or deployment.model.context_length,

@@ -92,14 +92,6 @@ class DeploymentRoutes:
             return self
         return replace(self, replicas=self.context_pools()[context_pool])
 
-    # The older names, for callers outside serving/ until they move to the new ones.
-    lanes = context_pools
-    lane_for = context_pool_for
-
-
-#: The older name of DeploymentRoutes (it is no connection pool and no context pool).
-Pool = DeploymentRoutes
-
 
 @dataclass
 class RouteTable:
@@ -120,7 +112,6 @@ class RouteTable:
         """The routes of the deployment named `name` (not a model name), if it serves."""
         return next((r for r in self.pools.values() if r.deployment == name), None)
 
-    pool_for = routes_for  # the older name, for callers outside serving/
 
     def to_json(self, *, sealed: bool = True) -> str:
         """One entry per deployment, in a stable order. Replica keys are sealed (the text

@@ -376,7 +376,3 @@ class ConnectionPool:
             for connection in list(idle):
                 connection.abort()
         self.idle.clear()
-
-
-#: The older name of ConnectionPool, for callers outside serving/ until they move.
-Pool = ConnectionPool

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from serving.routes import Pool, RouteReplica, build_table, routes
+from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
 from tests.product import ROOT, free_port, wait_healthy
 
 
@@ -64,7 +64,7 @@ def fake_engines() -> Iterator[Callable[..., FakeEngine]]:
 def publish(deployment: str, engines: list[FakeEngine], *, served: str = "fake",
             policy: str = "least-load", names: tuple[str, ...] = (),
             **options: object) -> None:
-    pool = Pool(deployment=deployment, served_model_name=served, policy=policy,
+    pool = DeploymentRoutes(deployment=deployment, served_model_name=served, policy=policy,
                 max_model_len=2048,
                 replicas=tuple(RouteReplica(e.name, e.url, e.key) for e in engines),
                 names=names or (served, deployment), **options)  # type: ignore[arg-type]

@@ -132,19 +132,14 @@ def chart_decision(collector: Any, deployment: str, decision: Decision, now: flo
     metrics store (so a dashboard that connects later gets it with the history) and
     becomes one message for the dashboards open now. The event log keeps only changes and
     new reasons for holding."""
-    series = collector.store.gateway.get(deployment) if collector is not None else None
-    if not series:
+    if collector is None:
         return []
-    sample = series[-1]
-    entry = {"t": round(now, 3), "current": decision.current, "desired": decision.desired,
-             "reason": decision.reason,
-             "signals": {name: {k: v for k, v in figures.items() if k in
-                                ("value", "target", "proposes")}
-                         for name, figures in decision.inputs.get("signals", {}).items()}}
-    sample["decided"] = decision.desired
-    sample["decision"] = entry
-    return [{"type": "decision", "deployment": deployment, "t": sample["t"],
-             "decision": entry}]
+    from controlplane.metrics.store import ScalingDecision
+
+    message = collector.store.annotate(deployment, ScalingDecision(
+        at=now, current=decision.current, desired=decision.desired, reason=decision.reason,
+        signals=decision.inputs.get("signals", {})))
+    return [message] if message is not None else []
 
 
 def gpu_of(collector: Any, deployment: str) -> float | None:

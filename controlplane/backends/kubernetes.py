@@ -39,6 +39,7 @@ from controlplane.backends.k8s_names import (
 from controlplane.backends.k8s_pods import DELETION_COST, observe_pod
 from controlplane.backends.k8s_version import UnsupportedKubernetesVersion, check_server_version
 from controlplane.backends.k8s_watch import MANAGED, PodWatcher
+from controlplane.wakeups import request_reconcile
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -65,12 +66,6 @@ def spec_hash(objects: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(objects, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _request_reconcile() -> None:
-    from controlplane.controllers import request_reconcile
-
-    request_reconcile()
-
-
 class KubernetesBackend:
     """The Kubernetes `PodSetBackend`: an apps/v1 Deployment of vLLM pods per deployment."""
 
@@ -78,7 +73,7 @@ class KubernetesBackend:
     owns_pods = True
 
     def __init__(self, config: KubernetesConfig, *, api_url: str = "", watch: bool = True,
-                 on_change: Callable[[], None] = _request_reconcile) -> None:
+                 on_change: Callable[[], None] = request_reconcile) -> None:
         self.config = config
         self.api_url = api_url
         self.watch = watch

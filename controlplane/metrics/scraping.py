@@ -40,11 +40,11 @@ class Scraper:
     reduced exposition and its parse, so an unchanged one is not parsed again."""
 
     def __init__(self, store: MetricsStore, timeout: float) -> None:
-        from serving.upstream import Pool
+        from serving.upstream import ConnectionPool
 
         self.store = store
         self.timeout = timeout
-        self.client = Pool()
+        self.client = ConnectionPool()
         self.concurrency = asyncio.Semaphore(CONCURRENT_SCRAPES)
         self.parsed_last_pass = 0
         self.batch: list[tuple[Target, str]] = []

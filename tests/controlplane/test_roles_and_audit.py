@@ -215,8 +215,8 @@ def test_the_route_table_carries_admission_and_the_long_pool_is_the_oldest() -> 
     [pool] = current_pools()
     assert pool.long_replicas == ("chat-9",)  # ready the longest, not first by name
     assert pool.replica_concurrency == 32 and pool.priority_scheduling
-    assert sorted(r.name for r in pool.lanes()["short"]) == ["chat-10", "chat-11"]
-    assert pool.lane_for(4000) == "long" and pool.lane_for(100) == "short"
+    assert sorted(r.name for r in pool.context_pools()["short"]) == ["chat-10", "chat-11"]
+    assert pool.context_pool_for(4000) == "long" and pool.context_pool_for(100) == "short"
 
 
 def test_the_admin_site_shows_keys_and_teams_but_changes_go_through_the_audited_paths(

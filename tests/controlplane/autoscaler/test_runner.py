@@ -123,7 +123,7 @@ def test_a_scale_up_promotes_a_ready_standby_in_the_same_pass(store: MetricsStor
     assert decision.desired == 2
     # Not left for the next reconcile pass: the standby takes traffic now.
     assert Replica.objects.get(name="chat-2").role == "active"
-    published = routes.table.pool_for("chat")  # what the gateway routes by
+    published = routes.table.routes_for("chat")  # what the gateway routes by
     assert published is not None
     assert sorted(r.name for r in published.replicas) == ["chat-1", "chat-2"]
     actions = list(AuditEvent.objects.order_by("id").values_list("action", flat=True))
