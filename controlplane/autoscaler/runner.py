@@ -53,9 +53,9 @@ class Autoscaler:
         decisions = []
         deployments = Deployment.objects.filter(
             deleting=False, state=Deployment.State.RUNNING).exclude(autoscaling=None)
-        for deployment in deployments:
+        for deployment in deployments.select_related("backend"):
             policy = enabled_policy(deployment)
-            if policy is None:
+            if policy is None or scaled_by_platform(deployment):
                 continue
             memory = self.memory.setdefault(deployment.pk, Memory())
             figures = figures_of(deployment, collector, summaries.get(deployment.name),
@@ -106,6 +106,19 @@ def enabled_policy(deployment: Deployment) -> Policy | None:
     except PolicyError:
         return None
     return policy if policy.enabled else None
+
+
+def scaled_by_platform(deployment: Deployment) -> bool:
+    """Kubernetes sets the count itself (an HPA or KEDA): its policy only makes the
+    gateway hold requests while the deployment is at zero (KEDA's wake trigger), and the
+    control plane never writes the count beside the platform's autoscaler."""
+    from controlplane.backends.base import backend_for
+
+    try:
+        backend = backend_for(deployment.backend)
+    except Exception:  # a backend that cannot be built is the reconciler's to report
+        return False
+    return bool(getattr(backend, "scales_itself", lambda: False)())
 
 
 def figures_of(deployment: Deployment, collector: Any, summary: dict[str, Any] | None,

@@ -90,6 +90,24 @@ def test_a_pass_scales_and_records_its_inputs(store: MetricsStore) -> None:
         "value": 7.0, "target": 2.0, "proposes": 4}
 
 
+def test_a_deployment_kubernetes_scales_itself_gets_no_decision(store: MetricsStore) -> None:
+    """With an HPA or KEDA the platform sets the count: the control plane's autoscaler
+    never writes it beside them (its policy only makes the gateway hold requests)."""
+    from tests.factories import make_backend
+
+    keda = make_backend("gpus", "kubernetes", {"namespace": "inference", "scaling": "keda",
+                                               "model_source": "pvc", "pvc_name": "models"})
+    deployment = make_deployment("chat", model=make_model("llama"), backend=keda,
+                                 replicas=1, min_replicas=0, max_replicas=4,
+                                 autoscaling=POLICY)
+    now = time.time()
+    store.fleet = {"t": now, "deployments": [summary("chat", waiting=7.0)]}
+    assert Autoscaler().run_once(now=now) == []
+    deployment.refresh_from_db()
+    assert deployment.replicas == 1
+    assert not AuditEvent.objects.filter(action="autoscaled").exists()
+
+
 def test_a_stale_collector_holds_and_says_so_once(store: MetricsStore) -> None:
     deployment = make_deployment("chat", model=make_model("llama"), replicas=3,
                                  min_replicas=1, max_replicas=4, autoscaling=POLICY)
