@@ -59,7 +59,7 @@ async def run_controllers(stop: asyncio.Event) -> None:
 
 
 async def _run(stop: asyncio.Event) -> None:
-    reconciler = Reconciler()
+    reconciler = Reconciler(progress=lambda what: liveness.heartbeat.beat(what))
     interval = settings.RECONCILE_INTERVAL_SECONDS
     logger.info("controllers running (reconcile every %.1f s)", interval)
     collecting = asyncio.get_running_loop().create_task(collector.run_collector(stop))

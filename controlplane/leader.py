@@ -167,7 +167,8 @@ class LeaseElection:
     async def keep(self, stop: asyncio.Event) -> None:
         """Renew until stop is set. When renewal has failed for two thirds of the duration
         (before any other process may take over), or another holds it, or no reconcile
-        pass has completed for the whole duration, set stop (and give the Lease up)."""
+        pass or step of one has completed within the heartbeat's stall bound, set stop (and
+        give the Lease up)."""
         last = asyncio.get_running_loop().time()
         while not stop.is_set():
             try:
@@ -175,10 +176,10 @@ class LeaseElection:
                 break
             except TimeoutError:
                 pass
-            if self.progress is not None and self.progress.age() > self.duration:
-                logger.error("no reconcile pass has completed for %.0f s (the Lease's "
-                             "duration): giving up the Lease %s/%s and stopping the "
-                             "controllers", self.progress.age(), self.namespace, self.name)
+            if self.progress is not None and self.progress.age() > self.progress.stall_seconds:
+                logger.error("the controllers made no progress for %.0f s (the stall bound): "
+                             "giving up the Lease %s/%s and stopping the controllers",
+                             self.progress.age(), self.namespace, self.name)
                 stop.set()
                 break
             if await asyncio.to_thread(self._attempt_safely):

@@ -31,13 +31,15 @@ logger = logging.getLogger(__name__)
 # A pass every RECONCILE_INTERVAL_SECONDS (1 s by default) and an election attempt every
 # third of the Lease (5 s, each request bounded by that too): 3 intervals plus this much
 # slack covers a slow pass and a slow election attempt.
-DEFAULT_STALL_SLACK_SECONDS = 15.0
+# Beyond three passes: the longest one step of a pass may take (a replica's warm-up request
+# is bounded at 60 s, a Kubernetes API call at 30 s), so a slow step is not a stall.
+DEFAULT_STALL_SLACK_SECONDS = 75.0
 
 
 class Heartbeat:
     """When the controllers last made progress (monotonic time)."""
 
-    def __init__(self, stall_seconds: float = 18.0) -> None:
+    def __init__(self, stall_seconds: float = 3.0 + DEFAULT_STALL_SLACK_SECONDS) -> None:
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._beats = 0
@@ -85,6 +87,7 @@ heartbeat = Heartbeat()
 
 
 def default_stall_seconds(reconcile_interval: float) -> float:
+    """How long the controllers may go without a beat before they count as stalled."""
     return 3 * reconcile_interval + DEFAULT_STALL_SLACK_SECONDS
 
 

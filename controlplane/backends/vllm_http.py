@@ -19,12 +19,16 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+# Within the controllers' stall bound (controlplane/liveness.py): one step of a pass.
+WARM_UP_SECONDS = 60.0
+
+
 def warm_up(http: httpx.Client, deployment: Deployment, endpoint: str) -> None:
     """One real request, so no user pays the first-request cost; raises on failure."""
     body = {"model": deployment.served_model_name(), "prompt": "Hello", "max_tokens": 1,
             "temperature": 0}
     try:
-        response = http.post(f"{endpoint}/v1/completions", json=body, timeout=120,
+        response = http.post(f"{endpoint}/v1/completions", json=body, timeout=WARM_UP_SECONDS,
                              headers=auth(deployment.upstream_key()))
     except httpx.HTTPError as exc:
         raise BackendError(f"warm-up request failed: {exc.__class__.__name__}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -31,9 +32,12 @@ class Reconciler:
     keeps between passes (in its two reconcilers) only paces probes, backs off and tells
     events once; everything else is read again on each pass."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: Callable[[str], None] | None = None) -> None:
         self.replicas = ReplicaReconciler()
         self.pod_sets = PodSetReconciler()
+        # Told after each deployment: a pass over a large fleet is progress, step by step,
+        # to the liveness check and the Lease (controlplane/liveness.py).
+        self.progress = progress
 
     @property
     def last_probe(self) -> dict[int, float]:
@@ -58,6 +62,8 @@ class Reconciler:
             except Exception as exc:  # one deployment's failure must not stop the others
                 logger.exception("reconciling %s failed", deployment.name)
                 result.errors.append(f"{deployment.name}: {exc}")
+            if self.progress is not None:
+                self.progress(f"reconciled {deployment.name}")
         result.seconds = time.perf_counter() - started
         return result
 

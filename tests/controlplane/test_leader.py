@@ -88,8 +88,8 @@ def test_a_follower_waits_until_stopped(emulated: EmulatedCluster) -> None:
 
 def test_a_hung_reconcile_pass_gives_the_lease_up_and_the_process_exits(
         emulated: EmulatedCluster, monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
-    """A pass that hangs longer than the Lease stops the renewal: the Lease is given up,
-    a follower takes it, and `run_controllers` reports itself stuck (it then exits)."""
+    """A pass that hangs longer than the stall bound stops the renewal: the Lease is given
+    up, a follower takes it, and `run_controllers` reports itself stuck (it then exits)."""
     from controlplane import controllers, liveness
     from controlplane.management.commands import run_controllers as command
 
@@ -118,7 +118,8 @@ def test_a_hung_reconcile_pass_gives_the_lease_up_and_the_process_exits(
     monkeypatch.setattr("controlplane.collector.run_collector", idle)
 
     async def scenario() -> tuple[bool, float, float]:
-        run = asyncio.create_task(command.Command().run(None, "127.0.0.1", 30.0))
+        # The stall bound (2 s here), which the Lease follows too.
+        run = asyncio.create_task(command.Command().run(None, "127.0.0.1", 2.0))
         assert await asyncio.to_thread(hung.wait, 10)
         started = time.monotonic()
         # The follower gets the Lease once the holder gave it up.
@@ -135,12 +136,60 @@ def test_a_hung_reconcile_pass_gives_the_lease_up_and_the_process_exits(
         stuck, taken_over, exited = asyncio.run(scenario())
     finally:
         unblock.set()
-    # Renewal stops once no pass completed for the Lease's 2 s (checked every 2/3 s).
+    # Renewal stops once nothing completed for the 2 s bound (checked every 2/3 s).
     assert 2.0 <= taken_over <= 2 * 2 / 3 + 2.0 + 1.0
     assert holder(emulated) == "controller-b"
     assert not first.leading
     assert stuck  # the hung pass would keep the process: the command exits instead
     assert exited <= taken_over + 1.0 + 1.0
+
+
+def test_a_long_pass_that_moves_deployment_by_deployment_keeps_the_lease(
+        emulated: EmulatedCluster, monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
+    """A pass over a large fleet (or one slow warm-up after another) runs longer than the
+    stall bound, but each deployment done is a beat: the leader keeps the Lease."""
+    from controlplane import controllers, liveness
+    from controlplane.management.commands import run_controllers as command
+
+    settings.RECONCILE_INTERVAL_SECONDS = 0.1
+    beat = liveness.Heartbeat()
+    monkeypatch.setattr(liveness, "heartbeat", beat)
+    first = election(emulated, "controller-a", seconds=2)
+    first.progress = beat
+    second = election(emulated, "controller-b", seconds=2)
+    monkeypatch.setattr(LeaseElection, "from_settings", classmethod(lambda cls: first))
+    monkeypatch.setattr(command, "STOP_WAIT_SECONDS", 1.0)
+    steps_done = threading.Event()
+
+    def one_pass(reconciler: Any) -> None:
+        if steps_done.is_set():
+            return
+        for step in range(8):  # 8 deployments of 0.6 s each: 4.8 s, over the 2 s bound
+            time.sleep(0.6)
+            reconciler.progress(f"reconciled deployment-{step}")
+        steps_done.set()
+
+    async def idle(stop: asyncio.Event) -> None:
+        await stop.wait()
+
+    monkeypatch.setattr(controllers, "_one_pass", one_pass)
+    monkeypatch.setattr(controllers, "run_autoscaler", idle)
+    monkeypatch.setattr("controlplane.collector.run_collector", idle)
+
+    async def scenario() -> list[bool]:
+        stop = asyncio.Event()
+        run = asyncio.create_task(command.Command().run(None, "127.0.0.1", 2.0, stop))
+        taken: list[bool] = []
+        while not steps_done.is_set():
+            taken.append(await asyncio.to_thread(second.attempt))
+            await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.wait_for(run, timeout=10)
+        return taken
+
+    taken = asyncio.run(scenario())
+    assert taken and not any(taken)  # the follower never got the Lease meanwhile
+    assert beat.report()[0]  # and the liveness check never saw a stall
 
 
 def test_a_follower_counts_its_election_attempts_as_progress(
