@@ -94,9 +94,11 @@ def victim_order(replica: Replica) -> tuple[int, int, float]:
 
 def removal_order(replica: Replica, load: Callable[[Replica], int | None]
                   ) -> tuple[int, int, int]:
-    """Which member of a pod set is chosen to go first: standby ones (those not ready
-    before ready ones), then the least loaded active ones."""
+    """Which member of a pod set is chosen to go first: those not ready (the ReplicaSet
+    removes them before any ready pod, whatever their deletion cost, so choosing them
+    keeps its choice and ours the same), then warm standby ones, then the least loaded
+    active ones."""
     standby = replica.role == Replica.Role.STANDBY
     ready = replica.phase == Replica.Phase.READY
     in_flight = load(replica) if ready and not standby else 0
-    return (0 if standby else 1, 1 if ready else 0, in_flight if in_flight is not None else 0)
+    return (1 if ready else 0, 0 if standby else 1, in_flight if in_flight is not None else 0)

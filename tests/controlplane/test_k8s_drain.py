@@ -155,3 +155,34 @@ def test_a_victim_is_kept_when_the_count_rises_before_it_goes(
         "controller.kubernetes.io/pod-deletion-cost"]) == 0
     assert stored_replicas(emulated) == 2
     assert AuditEvent.objects.filter(action="replica-kept", replica_name=victim).exists()
+
+
+def test_a_pod_not_ready_goes_before_a_ready_standby(
+        make: Callable[..., Deployment], player: ClusterPlayer,
+        emulated: EmulatedCluster) -> None:
+    """The ReplicaSet removes a pod that is not ready before any ready one, whatever its
+    deletion cost: the control plane chooses the same pod (before a ready standby), so
+    the ready ones stay and none is left marked and idle."""
+    reconciler = Reconciler()
+    deployment = make(replicas=2, standby=1)
+    reconciler.reconcile_all()
+    assert player.sync() == ["chat-1", "chat-2", "chat-3"]
+    for number, name in enumerate(["chat-1", "chat-2", "chat-3"], start=1):
+        player.ready(name, ip=f"10.1.0.{number}")
+    converge(reconciler, lambda: sorted(role for phase, role in phases(deployment).values()
+                                        if phase == "ready") == ["active", "active",
+                                                                 "standby"],
+             "two active, one standby")
+    [active, *_] = sorted(n for n, (_, role) in phases(deployment).items() if role == "active")
+    player.loading(active, ip="10.1.0.9")  # restarting: not ready for a while
+    converge(reconciler, lambda: phases(deployment)[active][0] != "ready", "one not ready")
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=1)
+    converge(reconciler, lambda: stored_replicas(emulated) == 2, "the count lowered")
+    chosen = AuditEvent.objects.get(action="replica-chosen")
+    assert chosen.message.startswith(f"{active} goes at the scale-down")
+    player.sync()
+    player.finish_terminating()
+    converge(reconciler, lambda: active not in phases(deployment) and all(
+        phase == "ready" for phase, _ in phases(deployment).values()), "the ready two stay")
+    assert sorted(role for _, role in phases(deployment).values()) == ["active", "standby"]
+    assert not AuditEvent.objects.filter(action="replica-kept").exists()
