@@ -199,11 +199,24 @@ def check_names(name: str, served: str, aliases: list[str], exclude: int | None 
                                              f"deployment {other.name}")
 
 
+def check_object_name(name: str) -> None:
+    """Two deployments never name the same Kubernetes objects: a name that is another's
+    transformed object name (`d-8b-chat-1b6d24b4` beside `8b-chat`) is refused."""
+    from controlplane.backends.k8s_names import object_name
+
+    wanted = object_name(name)
+    for other in Deployment.objects.values_list("name", flat=True):
+        if object_name(other) == wanted:
+            raise NameTakenError("name", f"{name!r} would name the same Kubernetes objects "
+                                         f"({wanted}) as deployment {other!r}")
+
+
 @transaction.atomic
 def create_deployment(spec: DeploymentSpec, *, actor: str) -> Deployment:
     """A new deployment from a checked spec; the reconciler starts its replicas."""
     if Deployment.objects.filter(name=spec.name).exists():
         raise NameTakenError("name", f"a deployment named {spec.name!r} already exists")
+    check_object_name(spec.name)
     engine_args = validate_engine_args(spec.engine_args)
     check_model(spec.model, engine_args, spec.backend)
     check_counts(spec.replicas, spec.min_replicas, spec.max_replicas)

@@ -48,8 +48,9 @@ def object_name(deployment_name: str) -> str:
     default is prefixed (`<install>-<name>`). A name that does not fit as it is (`8b-chat`,
     `My_Chat`, too long) is made to: lower-cased, other characters turned to `-`, `d-`
     put before a leading digit, cut to fit, and ended with `-` and 8 hex digits of the
-    SHA-256 of the untransformed name, so two names never meet (`8b-chat` ->
-    `d-8b-chat-<hash>`). The same name always gives the same result."""
+    SHA-256 of the untransformed name (`8b-chat` -> `d-8b-chat-<hash>`). Two names meet
+    only when one is literally the other's result, which creating a deployment refuses
+    (controlplane/services.py). The same name always gives the same result."""
     install = install_id()
     base = deployment_name if install == DEFAULT_INSTALL_ID else f"{install}-{deployment_name}"
     if DNS_1035_LABEL.match(base):

@@ -194,8 +194,9 @@ class PodSetReconciler:
     def mark_victims(self, deployment: Deployment, backend: PodSetBackend,
                      replicas: list[Replica], members: dict[str, Member]) -> bool:
         """Before the count is lowered, choose who goes: members not ready first (as the
-        ReplicaSet removes them first), then standby ones, then the least loaded active. A chosen member is
-        marked to go first (the pod-deletion cost) and leaves routing at once (draining);
+        ReplicaSet removes them first), then standby ones, then the least loaded active
+        ones. A chosen member is marked to go first (the pod-deletion cost) and leaves
+        routing at once (draining);
         the count is lowered once its streams are done (drain_hold). Members chosen
         stay chosen while the excess lasts; if the count rises again first, the ready
         ones among them are kept and serve again."""

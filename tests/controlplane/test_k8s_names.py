@@ -161,3 +161,16 @@ def test_another_installs_deployment_of_the_same_name_is_never_recreated(
     assert stored["metadata"]["labels"]["fleetplane.io/install"] == "other"
     deployment = Deployment.objects.get(name="chat")
     assert "immutable" in str(deployment.conditions)
+
+
+def test_a_name_that_is_anothers_object_name_is_refused(admin_client: Any) -> None:
+    make_model("llama")
+    first = admin_client.post("/api/v1/deployments/", {
+        "name": "8b-chat", "model": "llama", "replicas": 1}, format="json")
+    assert first.status_code == 201, first.json()
+    taken = object_name("8b-chat")
+    second = admin_client.post("/api/v1/deployments/", {
+        "name": taken, "model": "llama", "replicas": 1}, format="json")
+    assert second.status_code == 409, second.json()
+    assert "8b-chat" in str(second.json()) and taken in str(second.json())
+    assert Deployment.objects.filter(name=taken).count() == 0
