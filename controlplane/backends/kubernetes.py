@@ -248,11 +248,11 @@ class KubernetesBackend:
             try:
                 cluster.apply(obj)
             except ClusterError as exc:
-                if not self.recreate(cluster, deployment, obj, exc):
+                told = self.recreate(cluster, deployment, obj, exc)
+                if told is None:
                     raise
-                notes.append(("recreated", f"Deployment {obj['metadata']['name']} was "
-                              f"applied by an older version with another selector, which "
-                              f"Kubernetes does not change: deleted and created again"))
+                if told:
+                    notes.append(("recreated", told))
             self.writes += 1
         for kind, name in stale:
             if kind not in AUTOSCALERS:
@@ -288,14 +288,15 @@ class KubernetesBackend:
         return changed, notes
 
     def recreate(self, cluster: Cluster, deployment: Deployment, obj: dict[str, Any],
-                 error: ClusterError) -> bool:
+                 error: ClusterError) -> str | None:
         """A Deployment refused because its selector is immutable: if it is this
         deployment's, applied by an older version of this install (the same name and
-        instance, no other install's label), delete it and apply again. False (the
-        error stands) for anything else."""
-        if obj["kind"] != "Deployment" or error.status != 422 or "immutable" not in str(
-                error):
-            return False
+        instance, no other install's label), delete it and create it again. Returns what
+        to tell (empty: nothing new), or None when the error stands. On a real cluster the
+        old Deployment stays until its pods are gone (foreground deletion): until then
+        each pass tries the create again, quietly."""
+        if obj["kind"] != "Deployment" or error.status not in (409, 422):
+            return None
         name = obj["metadata"]["name"]
         earlier = {"app.kubernetes.io/managed-by": MANAGED["app.kubernetes.io/managed-by"],
                    INSTANCE_LABEL: deployment_key(deployment)}
@@ -305,11 +306,21 @@ class KubernetesBackend:
                     INSTALL_LABEL, MANAGED[INSTALL_LABEL]) == MANAGED[INSTALL_LABEL]
                 and selector_changed(held, obj)]
         if not ours:
-            return False
-        cluster.delete("Deployment", name)
-        self.writes += 1
-        cluster.apply(obj)
-        return True
+            return None
+        deleting = bool((ours[0].get("metadata") or {}).get("deletionTimestamp"))
+        if not deleting:
+            cluster.delete("Deployment", name)
+            self.writes += 1
+        try:
+            cluster.apply(obj)
+        except ClusterError:
+            return "" if deleting else (
+                f"Deployment {name} was applied by an older version with another selector, "
+                f"which Kubernetes does not change: deleted (its pods stop first), created "
+                f"again once it is gone")
+        return f"Deployment {name} created again with this version's selector" if deleting \
+            else (f"Deployment {name} was applied by an older version with another "
+                  f"selector, which Kubernetes does not change: deleted and created again")
 
     def handover(self, deployment: Deployment, objects: list[dict[str, Any]],
                  live: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any] | None:

@@ -174,3 +174,44 @@ def test_a_name_that_is_anothers_object_name_is_refused(admin_client: Any) -> No
     assert second.status_code == 409, second.json()
     assert "8b-chat" in str(second.json()) and taken in str(second.json())
     assert Deployment.objects.filter(name=taken).count() == 0
+
+
+def test_an_older_deployment_still_terminating_is_waited_for_quietly(
+        make: Callable[..., Deployment], emulated: EmulatedCluster,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a real cluster the old Deployment stays (terminating) until its pods are gone:
+    the create is tried again each pass, told once, with no apply failure meanwhile."""
+    from controlplane.models import AuditEvent
+
+    deployment = make("chat", replicas=1)
+    player = ClusterPlayer(emulated.url)
+    old_labels = {"app.kubernetes.io/name": "vllm", "app.kubernetes.io/instance": "chat",
+                  "app.kubernetes.io/managed-by": "fleetplane",
+                  "fleetplane.io/deployment-id": str(deployment.pk)}
+    player.apps.create_namespaced_deployment("inference", cast(Any, {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "chat", "namespace": "inference", "labels": old_labels},
+        "spec": {"replicas": 1, "selector": {"matchLabels": old_labels},
+                 "template": {"metadata": {"labels": old_labels},
+                              "spec": {"containers": [{"name": "vllm",
+                                                       "image": "vllm/vllm-openai:v0.1"}]}}}}))
+
+    def terminating(self: Cluster, kind: str, name: str, **options: Any) -> None:
+        player.apps.patch_namespaced_deployment(name, "inference", {"metadata": {
+            "deletionTimestamp": "2026-01-01T00:00:00Z"}},
+            _content_type="application/merge-patch+json")
+
+    monkeypatch.setattr(Cluster, "delete", terminating)
+    reconciler = Reconciler()
+    for _ in range(3):
+        reconciler.reconcile_all()
+    [told] = AuditEvent.objects.filter(action="recreated")
+    assert "created again once it is gone" in told.message
+    assert not AuditEvent.objects.filter(action="apply-failed").exists()
+    player.apps.delete_namespaced_deployment("chat", "inference")  # its pods are gone
+    reconciler.reconcile_all()
+    stored = emulated.stored("apps/v1/deployments", "inference", "chat")
+    assert stored is not None
+    assert stored["spec"]["selector"]["matchLabels"].get("fleetplane.io/install") == \
+        "fleetplane"
+    assert not AuditEvent.objects.filter(action="apply-failed").exists()
