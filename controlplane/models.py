@@ -49,7 +49,7 @@ class Deployment(models.Model):
     min_replicas = models.PositiveIntegerField(default=0)
     max_replicas = models.PositiveIntegerField(default=4)
     standby = models.PositiveIntegerField(default=0)
-    # The autoscaling policy (controlplane/autoscaler.py, Policy.as_dict()); null: the
+    # The autoscaling policy (controlplane/autoscaler/policy.py, Policy.as_dict()); null: the
     # replica count is set by hand only.
     autoscaling = models.JSONField(null=True, blank=True)
     # Gateway admission (docs/admission.md): requests per replica before queueing, and

@@ -73,7 +73,7 @@ async def test_a_pass_scrapes_every_live_replica_and_pushes_updates(
     summary = orjson.loads(fleet["text"])["deployments"][0]
     assert summary["name"] == "demo" and summary["ready"] == 2 and summary["desired"] == 2
     assert summary["tokens_per_s"] > 0
-    # What the autoscaler reads (controlplane/autoscaler.py) is all there.
+    # What the autoscaler reads (controlplane/autoscaler/) is all there.
     figures = figures_from_summary(summary, time.time(), demand=0, gpu=None)
     assert figures.waiting is not None and figures.running is not None
     assert figures.kv_cache is not None and figures.tokens_per_s is not None
