@@ -38,16 +38,16 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import Product  # noqa: E402
+from bench.gateway_overhead import ControlPlane  # noqa: E402
 from models_registry.demo import DEMO_MODEL_NAME  # noqa: E402
-from tests.product import end_replicas, manage, stop_server  # noqa: E402
+from tests.processes import end_replicas, manage, stop_server  # noqa: E402
 
 SCRAPE = 2.0
 POLICY = {"signals": [{"name": "queue_per_replica", "target": 8}],
           "scale_down_window_seconds": 600, "cooldown_seconds": 0}
 
 
-def api_get(product: Product, path: str, **params: Any) -> Any:
+def api_get(product: ControlPlane, path: str, **params: Any) -> Any:
     response = httpx.get(product.url + path, params=params, timeout=30,
                          headers={"Authorization": f"Bearer {product.admin}"})
     response.raise_for_status()
@@ -64,7 +64,7 @@ def wait(what: str, check: Any, timeout: float, interval: float = 0.5) -> Any:
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def replicas(product: Product, name: str) -> list[dict[str, Any]]:
+def replicas(product: ControlPlane, name: str) -> list[dict[str, Any]]:
     return list(api_get(product, f"/api/v1/deployments/{name}/")["replica_list"])
 
 
@@ -106,7 +106,7 @@ async def load(url: str, key: str, model: str, streams: int, seconds: float,
         await asyncio.gather(*(worker(client) for _ in range(streams)))
 
 
-def case(product: Product, name: str, standby: int, streams: int,
+def case(product: ControlPlane, name: str, standby: int, streams: int,
          backend: str = "local") -> dict[str, float]:
     response = httpx.post(product.url + "/api/v1/deployments/", timeout=30, headers={
         "Authorization": f"Bearer {product.admin}"}, json={
@@ -257,7 +257,7 @@ def main() -> None:
                         help="run the replicas on a local backend that binds N cores to "
                              "each (cpu_cores_per_replica), instead of letting them share")
     options = parser.parse_args()
-    product = Product(SCRAPE_INTERVAL=str(SCRAPE), RECONCILE_INTERVAL_SECONDS="0.5",
+    product = ControlPlane(SCRAPE_INTERVAL=str(SCRAPE), RECONCILE_INTERVAL_SECONDS="0.5",
                       HEALTH_CHECK_SECONDS="2", LOCAL_KV_CACHE_GIB="1")
     try:
         print("importing the demo model ...")

@@ -27,7 +27,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import Product, start_engine  # noqa: E402
+from bench.gateway_overhead import ControlPlane, start_engine  # noqa: E402
 
 
 def session_cookie(url: str, username: str, password: str) -> str:
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--sockets", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=30)
     options = parser.parse_args()
-    product = Product(SCRAPE_INTERVAL="1")
+    product = ControlPlane(SCRAPE_INTERVAL="1")
     engines: list[subprocess.Popen[bytes]] = []
     try:
         engine, engine_url = start_engine(5.0, "fake")

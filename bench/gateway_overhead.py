@@ -39,10 +39,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.product import (  # noqa: E402
+from tests.processes import (  # noqa: E402
     free_port,
     manage,
-    product_env,
+    server_env,
     start_server,
     stop_server,
     wait_healthy,
@@ -139,7 +139,7 @@ def start_engine(interval_ms: float, model: str) -> tuple[subprocess.Popen[bytes
     return process, url
 
 
-class Product:
+class ControlPlane:
     """The control plane, with engines registered as external deployments."""
 
     root = ROOT  # whose code runs: this checkout's
@@ -147,7 +147,7 @@ class Product:
     def __init__(self, **extra_env: str) -> None:
         data = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
         root = self.root
-        self.env = product_env(data / "data", LOG_LEVEL="WARNING", **extra_env)
+        self.env = server_env(data / "data", LOG_LEVEL="WARNING", **extra_env)
         self.manage("migrate", "--noinput", "-v0")
         self.admin = self.manage("create_api_key", "--name", "bench", "--scope",
                                  "admin").stdout.strip().splitlines()[-1]
@@ -209,7 +209,7 @@ class Product:
         stop_server(self.process)
 
 
-class OtherCheckout(Product):
+class OtherCheckout(ControlPlane):
     """The control plane of another checkout of the project (its code, the same venv)."""
 
     def __init__(self, root: Path, extra_env: dict[str, str]) -> None:
@@ -261,7 +261,7 @@ class Side:
         return sum(run.tokens for run in self.runs) / sum(run.seconds for run in self.runs)
 
 
-def interleave(label: str, products: list[Product], model: str, streams: int, tokens: int,
+def interleave(label: str, products: list[ControlPlane], model: str, streams: int, tokens: int,
                rounds: int) -> list[Side]:
     """The same load sent to each product in turn, `rounds` times (A, B, A, B)."""
     for product in products:  # warm connection pools at the measured concurrency
@@ -289,7 +289,7 @@ def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) ->
     """This checkout's gateway against another's, in interleaved rounds."""
     other_root = Path(options.compare_with).resolve()
     rounds = 2 if options.quick else 4
-    products = [Product(**extra_env), OtherCheckout(other_root, extra_env)]
+    products = [ControlPlane(**extra_env), OtherCheckout(other_root, extra_env)]
     processes: list[subprocess.Popen[bytes]] = []
     summary: list[str] = []
     try:
@@ -330,7 +330,7 @@ def main() -> None:
         compare_checkouts(options, extra_env)
         return
     rounds = 1 if options.quick else 3
-    product = Product(**extra_env)
+    product = ControlPlane(**extra_env)
     processes: list[subprocess.Popen[bytes]] = []
     summary: list[str] = []
     try:
@@ -385,7 +385,7 @@ def start_vllm(*, eager: bool) -> tuple[subprocess.Popen[bytes], str]:
     return process, url
 
 
-def measure_vllm(product: Product, processes: list[subprocess.Popen[bytes]],
+def measure_vllm(product: ControlPlane, processes: list[subprocess.Popen[bytes]],
                  rounds: int) -> list[str]:
     process, url = start_vllm(eager=False)
     process.fleet_group = True  # type: ignore[attr-defined]

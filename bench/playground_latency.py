@@ -32,7 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import Product, start_engine, start_vllm  # noqa: E402
+from bench.gateway_overhead import ControlPlane, start_engine, start_vllm  # noqa: E402
 
 PROMPT = "Name three colours of the rainbow."
 
@@ -70,7 +70,7 @@ def main() -> None:
     if not chromium:
         raise SystemExit("Chromium is not installed: run scripts/ensure-chromium.sh")
 
-    product = Product()
+    product = ControlPlane()
     engine: subprocess.Popen[bytes] | None = None
     try:
         if options.vllm:

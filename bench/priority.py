@@ -33,8 +33,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import Product  # noqa: E402
-from tests.product import free_port, manage, wait_healthy  # noqa: E402
+from bench.gateway_overhead import ControlPlane  # noqa: E402
+from tests.processes import free_port, manage, wait_healthy  # noqa: E402
 
 MAX_RUNNING = 8
 TOKEN_MS = 25
@@ -120,7 +120,7 @@ async def loaded(url: str, batch_key: str, critical_key: str, seconds: float
     return critical, counts
 
 
-def deploy(product: Product, engine_url: str) -> None:
+def deploy(product: ControlPlane, engine_url: str) -> None:
     steps: list[tuple[str, dict[str, object]]] = [
             ("/api/v1/models/", {"name": "chat-model", "source": "huggingface",
                                  "hf_id": "bench/chat"}),
@@ -142,7 +142,7 @@ def deploy(product: Product, engine_url: str) -> None:
     raise SystemExit("the deployment did not become routable")
 
 
-def keys(product: Product) -> tuple[str, str]:
+def keys(product: ControlPlane) -> tuple[str, str]:
     made = []
     for priority in ("batch", "critical"):
         made.append(manage(product.env, "create_api_key", "--name", priority, "--priority",
@@ -169,7 +169,7 @@ def main() -> None:
         wait_healthy(engine_url, 30, engine)
         for case, classes in (("priority", None), ("fifo", FIFO)):
             extra = {"PRIORITY_CLASSES": json.dumps(classes)} if classes else {}
-            product = Product(**extra)
+            product = ControlPlane(**extra)
             try:
                 deploy(product, engine_url)
                 batch_key, critical_key = keys(product)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
-from tests.product import ROOT, free_port, wait_healthy
+from tests.processes import ROOT, free_port, wait_healthy
 
 
 @dataclass

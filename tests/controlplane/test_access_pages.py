@@ -11,12 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.product import (
+from tests.processes import (
     end_replicas,
     free_port,
     login_from,
     manage,
-    product_env,
+    server_env,
     start_server,
     stop_server,
 )
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.browser]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
-    env = product_env(tmp_path_factory.mktemp("access") / "data")
+    env = server_env(tmp_path_factory.mktemp("access") / "data")
     manage(env, "migrate", "--noinput", "-v0")
     port = free_port()
     process, output = start_server(env, port)

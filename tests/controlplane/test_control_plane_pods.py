@@ -29,7 +29,7 @@ from controlplane.backends.k8s_version import (
 )
 from controlplane.management.commands import run_controllers, serve
 from controlplane.management.commands.wait_for_migrations import pending_migrations
-from tests.product import free_port, manage, product_env, start_server, stop_server
+from tests.processes import free_port, manage, server_env, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -308,7 +308,7 @@ def test_the_first_admin_takes_its_password_from_the_environment_and_logs_none(
         tmp_path: Path) -> None:
     data = tmp_path / "data"
     password = "walkthrough-Admin-7f3b9c2e41"
-    env = product_env(data, DEBUG="false", SECRET_KEY=PRODUCTION_KEY,
+    env = server_env(data, DEBUG="false", SECRET_KEY=PRODUCTION_KEY,
                       ALLOWED_HOSTS="127.0.0.1", ALLOW_SQLITE_IN_PRODUCTION="true",
                       SECURE_SSL_REDIRECT="false", FLEETPLANE_ADMIN_PASSWORD=password)
     manage(env, "migrate", "--noinput", "-v0")

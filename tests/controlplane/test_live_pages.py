@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from tests.product import (
+from tests.processes import (
     ROOT,
     Api,
     end_replicas,
     free_port,
     login_from,
     manage,
-    product_env,
+    server_env,
     start_server,
     stop_server,
 )
@@ -49,7 +49,7 @@ def artifacts() -> Path:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    env = product_env(tmp_path_factory.mktemp("live") / "data", SCRAPE_INTERVAL="1")
+    env = server_env(tmp_path_factory.mktemp("live") / "data", SCRAPE_INTERVAL="1")
     manage(env, "migrate", "--noinput", "-v0")
     manage(env, "import_demo_model")
     manage(env, "ensure_demo_deployment")

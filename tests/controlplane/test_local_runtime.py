@@ -21,13 +21,13 @@ import psutil
 import pytest
 
 from controlplane.backends.local import owned_processes
-from tests.product import (
+from tests.processes import (
     Api,
     end_replicas,
     free_port,
     login_from,
     manage,
-    product_env,
+    server_env,
     start_server,
     stop_server,
 )
@@ -56,7 +56,7 @@ class ControlPlane:
 def plane(tmp_path_factory: pytest.TempPathFactory,
           demo_model_folder: Path) -> Iterator[ControlPlane]:
     data = tmp_path_factory.mktemp("runtime") / "data"
-    env = product_env(data, RECONCILE_INTERVAL_SECONDS="0.5", HEALTH_CHECK_SECONDS="1",
+    env = server_env(data, RECONCILE_INTERVAL_SECONDS="0.5", HEALTH_CHECK_SECONDS="1",
                       RESTART_BACKOFF_BASE_SECONDS="1", RESTART_BACKOFF_MAX_SECONDS="8",
                       DRAIN_TIMEOUT_SECONDS="5", STOP_GRACE_SECONDS="5",
                       LOCAL_KV_CACHE_GIB="1",

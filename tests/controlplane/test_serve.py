@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.product import (
+from tests.processes import (
     free_port,
     login_from,
     manage,
-    product_env,
+    server_env,
     start_server,
     stop_server,
 )
@@ -35,7 +35,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    env = product_env(tmp_path_factory.mktemp("product") / "data")
+    env = server_env(tmp_path_factory.mktemp("product") / "data")
     manage(env, "migrate", "--noinput", "-v0")
     imported = manage(env, "import_demo_model")
     assert "is ready" in imported.stdout

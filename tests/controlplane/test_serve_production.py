@@ -6,7 +6,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from tests.product import free_port, manage, product_env, start_server, stop_server
+from tests.processes import free_port, manage, server_env, start_server, stop_server
 
 PRODUCTION_KEY = "k" * 20 + "-production-secret-key-for-the-serve-check-0123456789"
 
@@ -14,7 +14,7 @@ PRODUCTION_KEY = "k" * 20 + "-production-secret-key-for-the-serve-check-01234567
 def test_in_production_the_first_admin_password_goes_to_an_owner_only_file(
         tmp_path: Path) -> None:
     data = tmp_path / "data"
-    env = product_env(data, DEBUG="false", SECRET_KEY=PRODUCTION_KEY,
+    env = server_env(data, DEBUG="false", SECRET_KEY=PRODUCTION_KEY,
                       ALLOWED_HOSTS="127.0.0.1", ALLOW_SQLITE_IN_PRODUCTION="true",
                       SECURE_SSL_REDIRECT="false")
     manage(env, "migrate", "--noinput", "-v0")

@@ -10,12 +10,12 @@ import httpx
 import pytest
 
 from fakes.vllm_cli import stand_in_python
-from tests.product import (
+from tests.processes import (
     Api,
     end_replicas,
     free_port,
     manage,
-    product_env,
+    server_env,
     start_server,
     stop_server,
 )
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def test_a_stopped_server_writes_the_usage_it_still_held(tmp_path: Path) -> None:
     python = stand_in_python(tmp_path)
     # Records are written once an hour, or when the server stops.
-    env = product_env(tmp_path / "data", LOCAL_BACKEND_PYTHONS=python,
+    env = server_env(tmp_path / "data", LOCAL_BACKEND_PYTHONS=python,
                       USAGE_FLUSH_SECONDS="3600", RECONCILE_INTERVAL_SECONDS="0.3",
                       HEALTH_CHECK_SECONDS="1", STOP_GRACE_SECONDS="2")
     manage(env, "migrate", "--noinput", "-v0")

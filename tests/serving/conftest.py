@@ -8,7 +8,7 @@ import pytest
 
 from serving.routes import build_table, routes
 from tests.engines import FakeEngine, fake_engines, publish, start_fake_engine  # noqa: F401
-from tests.product import free_port
+from tests.processes import free_port
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from tests.engines import FakeEngine, start_fake_engine
-from tests.product import ROOT, Api, free_port, manage, product_env, start_server, stop_server
+from tests.processes import ROOT, Api, free_port, manage, server_env, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +86,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
     redis.Redis.from_url(REDIS).flushdb()  # routes, figures, groups of an earlier run
     base = tmp_path_factory.mktemp("figures")
-    env = product_env(base / "data", REDIS_URL=REDIS, RECONCILE_INTERVAL_SECONDS="0.3",
+    env = server_env(base / "data", REDIS_URL=REDIS, RECONCILE_INTERVAL_SECONDS="0.3",
                       HEALTH_CHECK_SECONDS="1", GATEWAY_LOAD_SCRAPE_SECONDS="0.2",
                       SCRAPE_INTERVAL="0.5", SCRAPE_TIMEOUT="0.4")
     manage(env, "migrate", "--noinput", "-v0")

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
 from serving.services import create_api_key
-from tests.product import free_port
+from tests.processes import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

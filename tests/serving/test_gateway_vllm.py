@@ -23,7 +23,7 @@ import pytest
 from serving.models import ApiKey
 from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
 from tests.factories import make_api_key
-from tests.product import free_port, wait_healthy
+from tests.processes import free_port, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 MODEL = "smollm2"

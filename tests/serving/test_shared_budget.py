@@ -12,12 +12,12 @@ import httpx
 import pytest
 
 from fakes.vllm_cli import stand_in_python
-from tests.product import (
+from tests.processes import (
     Api,
     end_replicas,
     free_port,
     manage,
-    product_env,
+    server_env,
     start_server,
     stop_server,
 )
@@ -34,7 +34,7 @@ def two_gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
     redis.Redis.from_url(REDIS).delete("fleetplane:routes")
     base = tmp_path_factory.mktemp("budget")
     python = stand_in_python(base)
-    env = product_env(base / "data", REDIS_URL=REDIS, LOCAL_BACKEND_PYTHONS=python,
+    env = server_env(base / "data", REDIS_URL=REDIS, LOCAL_BACKEND_PYTHONS=python,
                       RECONCILE_INTERVAL_SECONDS="0.3",
                       HEALTH_CHECK_SECONDS="1", GATEWAY_LOAD_SCRAPE_SECONDS="0.2",
                       STOP_GRACE_SECONDS="2")

@@ -105,7 +105,7 @@ def test_a_chat_without_max_tokens_reserves_the_rest_of_the_context(
 def test_a_request_no_replica_answered_gives_its_tokens_back(
         gateway_url: str, fake_engines: Engines) -> None:
     from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
-    from tests.product import free_port
+    from tests.processes import free_port
 
     _, key = create_api_key("unlucky", "inference", tpm=1000)
     body = {"model": "fake", "prompt": "hi", "max_tokens": 900}

@@ -14,13 +14,13 @@ import httpx
 import pytest
 
 from fakes.vllm_cli import stand_in_python
-from tests.product import (
+from tests.processes import (
     Api,
     end_replicas,
     free_port,
     login_from,
     manage,
-    product_env,
+    server_env,
     start_server,
     stop_server,
 )
@@ -33,7 +33,7 @@ LOGINS: dict[str, tuple[str, str]] = {}  # the plane's url -> the admin login it
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     base = tmp_path_factory.mktemp("autoscaling")
     python = stand_in_python(base)
-    env = product_env(base / "data", LOCAL_BACKEND_PYTHONS=python,
+    env = server_env(base / "data", LOCAL_BACKEND_PYTHONS=python,
                       RECONCILE_INTERVAL_SECONDS="0.3",
                       HEALTH_CHECK_SECONDS="1", SCRAPE_INTERVAL="0.5", SCRAPE_TIMEOUT="0.4",
                       DRAIN_TIMEOUT_SECONDS="1", STOP_GRACE_SECONDS="2")

@@ -25,7 +25,7 @@ from tests.controlplane.k8s_support import (
     rows,
 )
 from tests.k8s_emulator import ClusterPlayer, EmulatedCluster, write_kubeconfig
-from tests.product import free_port
+from tests.processes import free_port
 
 pytestmark = pytest.mark.django_db
 

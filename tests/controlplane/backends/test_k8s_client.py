@@ -19,7 +19,7 @@ from controlplane.backends.k8s_manifests import KubernetesConfig, owner_labels, 
 from tests.controlplane.k8s_support import serve_version
 from tests.factories import make_deployment, make_model
 from tests.k8s_emulator import EmulatedCluster
-from tests.product import free_port
+from tests.processes import free_port
 
 pytestmark = pytest.mark.django_db
 

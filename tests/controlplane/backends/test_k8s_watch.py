@@ -15,7 +15,7 @@ from controlplane.backends.k8s_client import Cluster, api_client
 from controlplane.backends.k8s_manifests import KubernetesConfig
 from controlplane.backends.k8s_watch import PodWatcher
 from tests.k8s_emulator import EmulatedCluster
-from tests.product import free_port
+from tests.processes import free_port
 
 CONFIG = KubernetesConfig.from_dict({"namespace": "inference"})
 MANAGED = {"app.kubernetes.io/managed-by": "fleetplane", "fleetplane.io/install": "fleetplane"}

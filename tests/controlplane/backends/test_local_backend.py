@@ -18,7 +18,7 @@ from controlplane.backends.local import LocalBackend, LocalConfig
 from controlplane.models import Deployment, Replica
 from fakes.vllm_cli import stand_in_python
 from tests.factories import make_backend, make_deployment, make_model
-from tests.product import end_replicas
+from tests.processes import end_replicas
 
 pytestmark = pytest.mark.django_db
 

@@ -27,7 +27,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def product_env(data_dir: Path, **extra: str) -> dict[str, str]:
+def server_env(data_dir: Path, **extra: str) -> dict[str, str]:
     """The development run's environment, as `make run` sets it (DEBUG on, SQLite in
     `data_dir`), with the product's own settings module; `extra` adds or overrides."""
     env = {key: value for key, value in os.environ.items()
