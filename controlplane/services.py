@@ -17,6 +17,7 @@ from django.db import transaction
 from access.redaction import keep_redacted, redact
 from controlplane.autoscaler.policy import Policy, PolicyError
 from controlplane.backends.base import validate_backend_config
+from controlplane.backends.k8s_names import object_name
 from controlplane.engine_args import engine_args_misfit, validate_engine_args
 from controlplane.models import AuditEvent, Backend, Deployment
 from controlplane.wakeups import request_reconcile
@@ -202,8 +203,6 @@ def check_names(name: str, served: str, aliases: list[str], exclude: int | None 
 def check_object_name(name: str) -> None:
     """Two deployments never name the same Kubernetes objects: a name that is another's
     transformed object name (`d-8b-chat-1b6d24b4` beside `8b-chat`) is refused."""
-    from controlplane.backends.k8s_names import object_name
-
     wanted = object_name(name)
     for other in Deployment.objects.values_list("name", flat=True):
         if object_name(other) == wanted:

@@ -16,6 +16,7 @@ from rest_framework.response import Response
 
 from access.roles import USER_ROLE_CHOICES, actor_of, create_user, role_of, set_role
 from access.strict_json import StrictJSON
+from controlplane.services import audit
 from serving import services
 from serving.models import ApiKey, Team
 from serving.priority import classes
@@ -198,8 +199,6 @@ class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
 
     @extend_schema(request=UserSerializer, responses=UserSerializer)
     def partial_update(self, request: Request, username: str | None = None) -> Response:
-        from controlplane.services import audit
-
         user = self.get_object()
         if not isinstance(request.data, dict):
             raise serializers.ValidationError(

@@ -18,7 +18,9 @@ from controlplane.autoscaler.decisions import (
     figures_from_summary,
 )
 from controlplane.autoscaler.policy import Policy, PolicyError
+from controlplane.backends.base import backend_for
 from controlplane.collector import current
+from controlplane.metrics.store import ScalingDecision
 from controlplane.models import Deployment
 from controlplane.reconciler import promote_now
 from controlplane.services import audit
@@ -112,8 +114,6 @@ def scaled_by_platform(deployment: Deployment) -> bool:
     """Kubernetes sets the count itself (an HPA or KEDA): its policy only makes the
     gateway hold requests while the deployment is at zero (KEDA's wake trigger), and the
     control plane never writes the count beside the platform's autoscaler."""
-    from controlplane.backends.base import backend_for
-
     try:
         backend = backend_for(deployment.backend)
     except Exception:  # a backend that cannot be built is the reconciler's to report
@@ -147,8 +147,6 @@ def chart_decision(collector: Any, deployment: str, decision: Decision, now: flo
     new reasons for holding."""
     if collector is None:
         return []
-    from controlplane.metrics.store import ScalingDecision
-
     message = collector.store.annotate(deployment, ScalingDecision(
         at=now, current=decision.current, desired=decision.desired, reason=decision.reason,
         signals=decision.inputs.get("signals", {})))
