@@ -159,11 +159,12 @@ def test_a_long_pass_that_moves_deployment_by_deployment_keeps_the_lease(
     second = election(emulated, "controller-b", seconds=2)
     monkeypatch.setattr(LeaseElection, "from_settings", classmethod(lambda cls: first))
     monkeypatch.setattr(command, "STOP_WAIT_SECONDS", 1.0)
-    steps_done = threading.Event()
+    started, steps_done = threading.Event(), threading.Event()
 
     def one_pass(reconciler: Any) -> None:
         if steps_done.is_set():
             return
+        started.set()  # the leader works: only now may the follower try
         for step in range(8):  # 8 deployments of 0.6 s each: 4.8 s, over the 2 s bound
             time.sleep(0.6)
             reconciler.progress(f"reconciled deployment-{step}")
@@ -179,8 +180,12 @@ def test_a_long_pass_that_moves_deployment_by_deployment_keeps_the_lease(
     async def scenario() -> list[bool]:
         stop = asyncio.Event()
         run = asyncio.create_task(command.Command().run(None, "127.0.0.1", 2.0, stop))
+        assert await asyncio.to_thread(started.wait, 10), "the leader never began a pass"
         taken: list[bool] = []
+        deadline = time.monotonic() + 30
         while not steps_done.is_set():
+            assert time.monotonic() < deadline, "the pass never finished"
+            assert not run.done(), "the controllers stopped during the pass"
             taken.append(await asyncio.to_thread(second.attempt))
             await asyncio.sleep(0.2)
         stop.set()
