@@ -34,6 +34,7 @@ class Observation:
     alive: bool  # the process (or pod, or endpoint) exists
     healthy: bool  # it answers its health check
     message: str = ""
+    probed: bool = True  # False: nothing was asked (a probe not due), nothing is known
 
 
 class ReplicaBackend(Protocol):

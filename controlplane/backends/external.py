@@ -60,16 +60,18 @@ class ExternalBackend:
     def observe(self, deployment: Deployment, replica: Replica, *,
                 probe_health: bool = True) -> Observation:
         if not probe_health:
-            return Observation(alive=True, healthy=True, message="not probed")
+            return Observation(alive=True, healthy=True, message="not probed", probed=False)
         try:
             response = self.http.get(f"{self.config.url}/v1/models", headers=self._headers(),
-                                 timeout=5.0)
+                                     timeout=5.0)
         except httpx.HTTPError as exc:
+            detail = f"{exc.__class__.__name__}: {exc}" if str(exc) else \
+                exc.__class__.__name__
             return Observation(alive=False, healthy=False,
-                               message=f"{self.config.url} unreachable: {exc.__class__.__name__}")
+                               message=f"{self.config.url} unreachable ({detail[:300]})")
         healthy = response.status_code == 200
-        return Observation(alive=healthy, healthy=healthy,
-                           message=f"/v1/models answered {response.status_code}")
+        return Observation(alive=healthy, healthy=healthy, message="" if healthy else (
+            f"{self.config.url} unreachable (/v1/models answered {response.status_code})"))
 
     def warm_up(self, deployment: Deployment, replica: Replica) -> None:
         return None

@@ -65,7 +65,12 @@ class ReplicaReconciler:
             for replica in deployment.replica_set.all():
                 if replica.phase not in OBSERVED_PHASES:
                     continue
-                probe = replica.phase != Replica.Phase.READY or now - self.last_probe.get(
+                # A ready replica is probed every health interval, and so is an endpoint
+                # something else runs once it has stopped answering (others at once).
+                paced = replica.phase == Replica.Phase.READY or (bool(replica.last_error)
+                                                                 and not replica_backend(
+                                                                     deployment).creates_replicas)
+                probe = not paced or now - self.last_probe.get(
                     replica.pk, 0.0) >= settings.HEALTH_CHECK_SECONDS
                 due.append((deployment, replica, probe))
         probed = [item for item in due if item[2]]
@@ -123,7 +128,12 @@ class ReplicaReconciler:
         changed |= self.remove_stopped(replicas)
         if changed:
             replicas = list(Replica.objects.filter(deployment=deployment))
-        changed |= write_status(deployment, replicas)
+        # An endpoint something else runs that stopped answering is a problem too, though
+        # not a failed replica (it is never restarted).
+        unreachable = [f"{r.name}: {r.last_error}" for r in replicas
+                       if not backend.creates_replicas and r.last_error
+                       and r.phase == Replica.Phase.LOADING]
+        changed |= write_status(deployment, replicas, unreachable)
         if deployment.deleting and not deployment.replica_set.exists():
             event(None, "deleted", f"deployment {deployment.name} deleted")
             deployment.delete()
@@ -152,7 +162,11 @@ class ReplicaReconciler:
         observation = self.observations.get(replica.pk)
         if observation is None:  # a replica that changed phase during this pass
             observation = backend.observe(deployment, replica)
+        if not observation.probed and phase != Replica.Phase.READY:
+            return False  # its probe is not due: nothing new is known
         if not observation.alive:
+            if not backend.creates_replicas:
+                return self.unreachable(deployment, replica, now, observation.message)
             return self.crashed(deployment, backend, replica, now)
         if replica.pk not in self.known:
             self.known.add(replica.pk)
@@ -227,6 +241,26 @@ class ReplicaReconciler:
             return self.crashed(deployment, backend, replica, now, reason=(
                 f"not healthy {settings.REPLICA_STARTUP_TIMEOUT_SECONDS} s after start"))
         return False
+
+    def unreachable(self, deployment: Deployment, replica: Replica, now: datetime,
+                    message: str) -> bool:
+        """An endpoint something else runs stopped answering: it is probed, never
+        restarted. A ready one is tolerated for HEALTH_FAILURE_SECONDS (the gateway's own
+        failure count takes it out of routing meanwhile), then leaves the route table
+        (phase `loading`) with the error, until a probe is answered again."""
+        if replica.phase == Replica.Phase.READY:
+            last = replica.last_health_at or replica.ready_at or now
+            if now - last <= timedelta(seconds=settings.HEALTH_FAILURE_SECONDS):
+                return False
+        elif replica.phase == Replica.Phase.LOADING and replica.last_error:
+            if replica.last_error == message:
+                return False
+            return save(replica, last_error=message)  # another error, no new event
+        save(replica, phase=Replica.Phase.LOADING, last_error=message, ready_at=None)
+        event(deployment, "replica-unreachable", f"{replica.name}: {message}; probed every "
+              f"{settings.HEALTH_CHECK_SECONDS:g} s and routed to again once it answers "
+              f"(it is not restarted: something else runs it)", replica=replica)
+        return True
 
     def crashed(self, deployment: Deployment, backend: ReplicaBackend, replica: Replica,
                 now: datetime, reason: str = "exited") -> bool:

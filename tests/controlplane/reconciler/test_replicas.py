@@ -3,7 +3,8 @@ converges, does nothing on a pass with nothing to do, and reports what it sees."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from django.db import connection
@@ -55,29 +56,73 @@ def test_a_pass_with_nothing_to_change_writes_nothing(external: Deployment) -> N
     assert writes == []
 
 
-def test_an_endpoint_that_stops_answering_fails_with_the_reason_and_backs_off(
+def test_an_endpoint_that_stops_answering_is_probed_not_restarted_and_comes_back(
     external: Deployment, endpoint: StandInEndpoint, settings: object
 ) -> None:
-    settings.HEALTH_CHECK_SECONDS = 0  # type: ignore[attr-defined]
+    """Something else runs an external endpoint: when it stops answering it leaves the
+    route table with the error (after HEALTH_FAILURE_SECONDS), is probed every health
+    interval, never counted as a restart, and is routed to again within one interval of
+    answering."""
+    from controlplane.routing import current_pools
+
+    settings.HEALTH_CHECK_SECONDS = 0.3  # type: ignore[attr-defined]
+    settings.HEALTH_FAILURE_SECONDS = 1  # type: ignore[attr-defined]
     reconciler = Reconciler()
-    for _ in range(4):
-        reconciler.reconcile_all()
+    converge(reconciler, lambda: Replica.objects.get().phase == Replica.Phase.READY, "ready")
     endpoint.healthy = False
-    reconciler.reconcile_all()
+    converge(reconciler, lambda: Replica.objects.get().phase != Replica.Phase.READY,
+             "out of routing")
     replica = Replica.objects.get()
-    assert replica.phase == Replica.Phase.FAILED
-    assert replica.restart_count == 1
-    assert replica.next_restart_at is not None
+    assert replica.phase == Replica.Phase.LOADING
+    assert replica.last_error == f"{endpoint.url} unreachable (/v1/models answered 503)"
+    assert replica.restart_count == 0 and replica.next_restart_at is None
+    assert [p.replicas for p in current_pools() if p.deployment == "remote"] == [()]
     external.refresh_from_db()
     degraded = external.condition("Degraded")
     assert degraded is not None and degraded["status"] == "True"
-    assert AuditEvent.objects.filter(action="replica-crashed").exists()
-    # While backing off nothing is retried: no restart storm.
-    before = endpoint.requests
-    for _ in range(5):
+    [told] = AuditEvent.objects.filter(action="replica-unreachable")
+    assert "not restarted" in told.message
+    assert not AuditEvent.objects.filter(action__in=("replica-crashed", "replica-failed"))
+    # Probed every interval, not every pass: no storm against an endpoint that is down.
+    before, started = endpoint.requests, time.monotonic()
+    for _ in range(10):
         reconciler.reconcile_all()
-    assert endpoint.requests == before
-    assert Replica.objects.get().restart_count == 1
+    elapsed = time.monotonic() - started
+    assert endpoint.requests - before <= elapsed / 0.3 + 1
+    endpoint.healthy = True
+    answered = time.monotonic()
+    converge(reconciler, lambda: Replica.objects.get().phase == Replica.Phase.READY,
+             "routed to again")
+    assert time.monotonic() - answered < 0.3 + 1.0  # one interval, and a pass or two
+    replica = Replica.objects.get()
+    assert replica.last_error == "" and replica.restart_count == 0
+    assert [len(p.replicas) for p in current_pools() if p.deployment == "remote"] == [1]
+
+
+def test_an_endpoint_that_cannot_be_reached_says_so_with_the_error(settings: object) -> None:
+    from tests.processes import free_port
+
+    settings.HEALTH_CHECK_SECONDS = 0.3  # type: ignore[attr-defined]
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    make_deployment("gone", backend=make_backend("nowhere", "external", {"url": url}),
+                    replicas=1)
+    reconciler = Reconciler()
+    converge(reconciler, lambda: Replica.objects.filter().exclude(last_error="").exists(),
+             "the error shown")
+    replica = Replica.objects.get()
+    assert replica.phase == Replica.Phase.LOADING and replica.restart_count == 0
+    assert replica.last_error.startswith(f"{url} unreachable (ConnectError")
+
+
+def converge(reconciler: Reconciler, check: Callable[[], bool], what: str,
+             seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        reconciler.reconcile_all()
+        if check():
+            return
+        assert time.monotonic() < deadline, f"never reached: {what}"
+        time.sleep(0.05)
 
 
 def test_stopping_an_external_deployment_takes_its_replica_away(external: Deployment) -> None:
