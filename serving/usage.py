@@ -52,6 +52,7 @@ class UsageWriter:
         self.task: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
         self.unreachable = 0  # flushes in a row that found the database out of reach
+        self.writing = 0  # batches being written now (in a worker thread)
 
     def add(self, usage: Usage) -> None:
         self.buffer.append(usage)
@@ -80,6 +81,7 @@ class UsageWriter:
         batch, self.buffer = self.buffer, []
         if not batch:
             return 0
+        self.writing += 1
         try:
             written = await sync_to_async(write_batch, thread_sensitive=False)(batch)
             self.unreachable = 0
@@ -98,6 +100,8 @@ class UsageWriter:
             logger.exception("could not write %d usage records", len(batch))
             for usage in batch:
                 _drop(usage)
+        finally:
+            self.writing -= 1
         return 0
 
 

@@ -5,7 +5,10 @@ import pytest
 from controlplane.backends.base import close_backends
 from tests.engines import fake_engines  # noqa: F401  (a fixture shared with tests/serving)
 from tests.k8s_emulator import EmulatedCluster
-from tests.serving.conftest import gateway_url  # noqa: F401  (the server in this process)
+from tests.serving.conftest import (  # noqa: F401  (the server in this process)
+    gateway_url,
+    usage_written_before_the_database_is_emptied,
+)
 
 
 @pytest.fixture
