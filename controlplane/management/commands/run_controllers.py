@@ -26,12 +26,13 @@ def port_number(text: str) -> int:
 
 
 def seconds(text: str) -> float:
+    """A command's seconds option: a number above 0 (--stall-seconds, --timeout ...)."""
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise CommandError(f"--stall-seconds {text!r}: a number of seconds above 0")
+        raise CommandError(f"{text!r}: a number of seconds above 0")
     return value
 
 

@@ -15,6 +15,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 
+from controlplane.management.commands.run_controllers import seconds
+
 # How often the waiting is reported in the pod's log.
 REPORT_EVERY_SECONDS = 30.0
 
@@ -30,24 +32,14 @@ def pending_migrations() -> list[str]:
     return [f"{migration.app_label}.{migration.name}" for migration, _ in plan]
 
 
-def positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise CommandError(f"{text!r}: a number of seconds above 0")
-    return value
-
-
 class Command(BaseCommand):
     help = ("Wait until the database schema is up to date (every migration of this code "
             "applied, by `manage.py migrate` or the migration Job); exit 1 after --timeout.")
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--timeout", type=positive, default=600.0,
+        parser.add_argument("--timeout", type=seconds, default=600.0,
                             help="give up after this many seconds (default 600)")
-        parser.add_argument("--interval", type=positive, default=2.0,
+        parser.add_argument("--interval", type=seconds, default=2.0,
                             help="seconds between two looks (default 2)")
 
     def handle(self, *args: Any, **options: Any) -> None:
