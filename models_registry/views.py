@@ -31,7 +31,7 @@ def model_list(request: HttpRequest) -> HttpResponse:
         try:
             model = services.register_model(spec, actor=request.user.get_username())
         except ModelSourceError as exc:
-            form.add_error("location" if exc.field in ("path", "hf_id") else exc.field,
+            form.add_error("location" if exc.field in ("path", "hf_id", "package") else exc.field,
                            exc.message)
         else:
             messages.success(request, f"Model {model.name} registered ({model.status}).")

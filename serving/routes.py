@@ -67,6 +67,13 @@ class DeploymentRoutes:
     #: `long_replicas`, shorter ones to the others.
     long_prompt_tokens: int | None = None
     long_replicas: tuple[str, ...] = ()
+    #: What the model does: "generate" (chat and completions) or "embed" (embeddings).
+    task: str = "generate"
+    #: The replicas are vLLM servers, which report the usage so far on every streamed
+    #: chunk when asked (`continuous_usage_stats`): a stream the client leaves is then
+    #: recorded with exactly the tokens relayed. Off for external endpoints, which may
+    #: refuse the option.
+    running_usage: bool = False
 
     def context_pools(self) -> dict[str, tuple[RouteReplica, ...]]:
         """The replicas of each context pool: "short" and "long", or one "all"."""
@@ -143,7 +150,9 @@ def pool_from_dict(raw: dict[str, Any]) -> DeploymentRoutes:
         replica_concurrency=int(raw.get("replica_concurrency") or 256),
         priority_scheduling=bool(raw.get("priority_scheduling", False)),
         long_prompt_tokens=raw.get("long_prompt_tokens"),
-        long_replicas=tuple(raw.get("long_replicas", ())))
+        long_replicas=tuple(raw.get("long_replicas", ())),
+        task=str(raw.get("task") or "generate"),
+        running_usage=bool(raw.get("running_usage", False)))
 
 
 def build_table(pools: list[DeploymentRoutes]) -> RouteTable:

@@ -115,7 +115,7 @@ def container(deployment: Deployment, config: KubernetesConfig) -> dict[str, Any
     args = engine_command_line(deployment.engine_args or {},
                                model_path=model_argument(deployment, config),
                                served_name=deployment.served_model_name(), port=PORT,
-                               host="0.0.0.0")
+                               host="0.0.0.0", task=deployment.model.task)
     pre_stop, drain = shutdown_timing(config)
     if config.drain_on_sigterm:
         args += ["--shutdown-timeout", str(drain)]

@@ -262,7 +262,8 @@ class LocalBackend:
         command = [self.config.python or sys.executable, "-m", VLLM_MODULE,
                    *engine_command_line(deployment.engine_args, model_path=model.path,
                                         served_name=deployment.served_model_name(),
-                                        port=port, host=self.config.host),
+                                        port=port, host=self.config.host,
+                                        task=model.task),
                    # Health probes would otherwise fill the log a person reads.
                    "--disable-uvicorn-access-log", "--middleware", ENGINE_GUARD]
         # The key goes in the environment, not on the command line: a command line is

@@ -24,11 +24,15 @@ WARM_UP_SECONDS = 60.0
 
 
 def warm_up(http: httpx.Client, deployment: Deployment, endpoint: str) -> None:
-    """One real request, so no user pays the first-request cost; raises on failure."""
-    body = {"model": deployment.served_model_name(), "prompt": "Hello", "max_tokens": 1,
-            "temperature": 0}
+    """One real request, so no user pays the first-request cost; raises on failure. An
+    embedding model is asked for an embedding, any other for a one-token completion."""
+    name = deployment.served_model_name()
+    path, body = ("/v1/embeddings", {"model": name, "input": "Hello"}) if (
+        deployment.model.task == "embed") else (
+        "/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 1,
+                            "temperature": 0})
     try:
-        response = http.post(f"{endpoint}/v1/completions", json=body, timeout=WARM_UP_SECONDS,
+        response = http.post(f"{endpoint}{path}", json=body, timeout=WARM_UP_SECONDS,
                              headers=auth(deployment.upstream_key()))
     except httpx.HTTPError as exc:
         raise BackendError(f"warm-up request failed: {exc.__class__.__name__}") from None

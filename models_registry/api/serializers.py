@@ -25,7 +25,8 @@ class ModelSerializer(serializers.ModelSerializer):
             "name", "display_name", "source", "source_uri", "revision", "license", "path",
             "architecture", "parameter_count", "context_length", "dtype", "num_layers",
             "num_attention_heads", "num_kv_heads", "head_size", "size_bytes",
-            "has_chat_template", "kv_bytes_per_token", "weight_bytes", "status", "progress",
+            "has_chat_template", "task", "kv_bytes_per_token", "weight_bytes", "status",
+            "progress",
             "error", "created_at", "updated_at",
         ]
         read_only_fields = fields
@@ -39,13 +40,14 @@ class ModelSerializer(serializers.ModelSerializer):
 
 class ModelCreateSerializer(StrictJSON, serializers.Serializer):
     """Register a model: `path` for a local folder or GGUF file (under MODEL_IMPORT_ROOTS),
-    `hf_id` for the Hub."""
+    `hf_id` for the Hub, `package` for the model folder an installed package carries."""
 
     name = serializers.RegexField(NAME_PATTERN, max_length=63)
     # A serializer field named "source" shadows Field.source only for the type checker.
     source = serializers.ChoiceField(choices=Model.Source.choices)  # type: ignore[assignment]
     path = serializers.CharField(max_length=1000, required=False, allow_blank=True)
     hf_id = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    package = serializers.CharField(max_length=100, required=False, allow_blank=True)
     display_name = serializers.CharField(max_length=200, required=False, allow_blank=True)
     revision = serializers.CharField(max_length=200, required=False, allow_blank=True)
     license = serializers.CharField(max_length=200, required=False, allow_blank=True)
@@ -56,6 +58,10 @@ class ModelCreateSerializer(StrictJSON, serializers.Serializer):
                 raise serializers.ValidationError(
                     {"hf_id": "required when source is huggingface"}
                 )
+        elif attrs["source"] == Model.Source.PACKAGE:
+            if not attrs.get("package"):
+                raise serializers.ValidationError(
+                    {"package": "required when source is package"})
         elif not attrs.get("path"):
             raise serializers.ValidationError(
                 {"path": f"required when source is {attrs['source']}"}

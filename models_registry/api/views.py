@@ -46,7 +46,7 @@ class ModelViewSet(
         data = query.validated_data
         spec = services.ModelSpec(
             name=data["name"], source=data["source"],
-            uri=data.get("hf_id") or data.get("path") or "",
+            uri=data.get("hf_id") or data.get("package") or data.get("path") or "",
             display_name=data.get("display_name", ""), revision=data.get("revision", ""),
             license=data.get("license", ""),
         )

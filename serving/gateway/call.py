@@ -66,6 +66,9 @@ class Call:
     affinity: str | None = None  # the session a `session` policy keeps on one replica
     prefix: str | None = None  # the prompt's start, for the `prefix` policy
     wants_usage: bool = False  # the client asked for the usage event of a stream
+    # The stream's chunks carry the usage so far, which the client did not ask for (it is
+    # read, then taken out)
+    running_usage: bool = False
     limits: list[Limit] = field(default_factory=list)  # rate limits charged at admission
     receive: Receive | None = None  # an HTTP client's messages: leaving the queue on going
     timing: Timing = field(default_factory=Timing)
@@ -142,21 +145,38 @@ def priority_of(scope: Scope, key: KeyInfo) -> PriorityClass:
 def for_replica(body: dict[str, Any], raw: bytes, found: DeploymentRoutes,
                 priority: PriorityClass) -> bytes:
     """The body as the replica must get it: its served model name, the priority level when
-    its engine schedules by it, and the usage event of a stream (the records need it; it
-    is taken out again unless the client asked)."""
+    its engine schedules by it, and the usage of a stream (the records need it; it is
+    taken out again unless the client asked): the final usage event always, and the usage
+    so far on every chunk where the engine gives it (`running_usage`), so a stream the
+    client leaves is recorded with what was relayed."""
     stream = bool(body.get("stream"))
-    wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    rewrite = body["model"] != found.served_model_name or (stream and not wants_usage)
+    options = body.get("stream_options") or {}
+    wanted = {"include_usage": True, "continuous_usage_stats": True} if (
+        found.running_usage) else {"include_usage": True}
+    usage_missing = stream and any(not options.get(name) for name in wanted)
+    rewrite = body["model"] != found.served_model_name or usage_missing
     if found.priority_scheduling:  # vLLM's scheduler orders by it (lower first)
         body["priority"] = priority.level
         rewrite = True
     if not rewrite:
         return raw
     body["model"] = found.served_model_name
-    if stream and not wants_usage:
-        body["stream_options"] = {**(body.get("stream_options") or {}),
-                                  "include_usage": True}
+    if usage_missing:
+        body["stream_options"] = {**options, **wanted}
     return orjson.dumps(body)
+
+
+def check_task(found: DeploymentRoutes, kind: str, model: str) -> None:
+    """Refuse a request the model cannot answer: a chat or completion for an embedding
+    model, embeddings from a model that generates text."""
+    if found.task == "embed" and kind != "embedding":
+        raise GatewayError(400, f"the model `{model}` is an embedding model: it answers "
+                                f"/v1/embeddings only", param="model",
+                           code="model_not_generative")
+    if found.task != "embed" and kind == "embedding":
+        raise GatewayError(400, f"the model `{model}` generates text: /v1/embeddings needs "
+                                f"an embedding model", param="model",
+                           code="model_not_embedding")
 
 
 def build_call(scope: Scope, raw: bytes, kind: str, key: KeyInfo, request_id: str,
@@ -166,14 +186,19 @@ def build_call(scope: Scope, raw: bytes, kind: str, key: KeyInfo, request_id: st
     check_parameters(body, kind)
     model = body["model"]
     found = routes_allowed(body, key)
+    check_task(found, kind, model)
     priority = priority_of(scope, key)
     prompt_tokens = estimate_prompt_tokens(body, kind)
     reserved = reserved_completion_tokens(body, kind, found.max_model_len, prompt_tokens)
     stream = bool(body.get("stream"))
-    wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    options = body.get("stream_options") or {}
+    wants_usage = bool(options.get("include_usage"))
+    running_usage = found.running_usage and not (
+        wants_usage and options.get("continuous_usage_stats"))
     raw = for_replica(body, raw, found, priority)
     affinity = header(scope, b"x-session-id") or str(body.get("user") or "") or None
     return Call(routes=found, model=model, path=scope["path"], raw=raw, stream=stream,
                 request_id=request_id, key=key, priority=priority,
                 prompt_tokens=prompt_tokens, reserved=reserved, affinity=affinity,
-                prefix=prompt_prefix(body, kind), wants_usage=wants_usage, timing=timing)
+                prefix=prompt_prefix(body, kind), wants_usage=wants_usage,
+                running_usage=stream and running_usage, timing=timing)

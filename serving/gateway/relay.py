@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from typing import Any
 
@@ -18,7 +19,7 @@ import orjson
 from django.conf import settings
 
 from serving.calls import GatewayError
-from serving.gateway.call import Call, Receive, Send, Timing
+from serving.gateway.call import Call, Receive, Send
 from serving.gateway.placement import wait_for_disconnect
 from serving.gateway.resources import Resources
 from serving.session import Stream
@@ -87,8 +88,7 @@ async def relay_stream(resources: Resources, call: Call, stream: Stream, send: S
     found: dict[str, Any] = {}
     loop = asyncio.get_running_loop()
     # Two tasks per stream, none per chunk: one relays, one waits for the client to go.
-    pump = loop.create_task(relay_events(send, response, call.wants_usage, call.timing,
-                                         found))
+    pump = loop.create_task(relay_events(send, response, call, found))
     watcher = loop.create_task(wait_for_disconnect(call.receive))
     key_hash = call.key.key_hash if call.key is not None else ""
     if key_hash:
@@ -102,7 +102,9 @@ async def relay_stream(resources: Resources, call: Call, stream: Stream, send: S
         watcher.cancel()
         if key_hash:
             resources.streams.discard(key_hash, pump)
-    stream.usage = found.get("usage")
+    # The final usage event, else (a stream the client left) the usage so far on the
+    # last chunk relayed, where the engine reports it.
+    stream.usage = found.get("usage") or last_running_usage(found.get("last", b""))
     if resources.streams.was_cut(pump):  # the key was revoked or expired mid-stream
         response.close()
         await send_error_event(send, "the API key was revoked or has expired; the answer "
@@ -110,6 +112,7 @@ async def relay_stream(resources: Resources, call: Call, stream: Stream, send: S
     elif not pump.done():  # the client went away: the engine sees it and frees its cache
         pump.cancel()
         response.close()
+        stream.status = 499  # recorded as the client's leaving, with the tokens relayed
         stream.ended()
     elif isinstance(error := pump.exception(), UpstreamError):
         stream.broke()
@@ -129,10 +132,10 @@ async def send_error_event(send: Send, message: str, kind: str, code: str | int)
                     "body": b"data: " + orjson.dumps(event) + b"\n\n", "more_body": False})
 
 
-async def relay_events(send: Send, response: Response, wants_usage: bool, timing: Timing,
+async def relay_events(send: Send, response: Response, call: Call,
                        found: dict[str, Any]) -> None:
     """Relay the upstream as it arrives: whatever bytes are buffered, in one write."""
-    pending = b""
+    timing, pending = call.timing, b""
     while True:
         chunk = await response.readany()
         if not chunk:
@@ -155,10 +158,33 @@ async def relay_events(send: Send, response: Response, wants_usage: bool, timing
             complete, pending = data[: cut + 2], data[cut + 2:]
         timing.events += complete.count(b"data: {")
         if b'"usage"' in complete and b'"choices":[]' in complete:
-            complete, found["usage"] = take_usage(complete, keep=wants_usage)
+            complete, found["usage"] = take_usage(complete, keep=call.wants_usage)
+        if call.running_usage and complete:
+            found["last"] = complete
+            complete = RUNNING_USAGE.sub(b"", complete)
         if complete:
             await send({"type": "http.response.body", "body": complete, "more_body": True})
     await send({"type": "http.response.body", "body": pending, "more_body": False})
+
+
+# vLLM's usage so far on a chunk (`continuous_usage_stats`): `,"usage":{...}` after the
+# choices (one level of nested objects, e.g. completion_tokens_details); the final usage
+# event, whose choices are empty (`[]`), is left to take_usage.
+RUNNING_USAGE = re.compile(rb'(?<!\[\]),"usage":\{(?:[^{}]|\{[^{}]*\})*\}')
+
+
+def last_running_usage(events: bytes) -> dict[str, Any] | None:
+    """The usage so far on the last of these chunks that carries one, or None."""
+    start = events.rfind(b'"usage":{')
+    if start < 0:
+        return None
+    begin = events.rfind(b"data: {", 0, start)
+    end = events.find(b"\n\n", start)
+    try:
+        usage = orjson.loads(events[begin + 6: end if end >= 0 else len(events)])["usage"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    return usage if isinstance(usage, dict) else None
 
 
 def take_usage(events: bytes, *, keep: bool) -> tuple[bytes, dict[str, Any] | None]:

@@ -5,12 +5,26 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from serving.routes import build_table, routes
 from tests.engines import FakeEngine, fake_engines, publish, start_fake_engine  # noqa: F401
 from tests.processes import free_port
+from tests.vllm_server import vllm_server
+
+
+@pytest.fixture(scope="session")
+def vllm_url(demo_model_folder: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[str]:
+    """One real vLLM server (CPU build, the demo model as `smollm2`) for the session."""
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    # A prompt served partly from the prefix cache takes another kernel path, whose
+    # rounding can turn a greedy near-tie: each answer here is computed from scratch.
+    with vllm_server(demo_model_folder, "smollm2", log, "--max-model-len", "1024",
+                     "--no-enable-prefix-caching") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

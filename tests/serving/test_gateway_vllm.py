@@ -9,12 +9,6 @@ know."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -23,35 +17,9 @@ import pytest
 from serving.models import ApiKey
 from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
 from tests.factories import make_api_key
-from tests.processes import free_port, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 MODEL = "smollm2"
-
-
-@pytest.fixture(scope="session")
-def vllm_url(demo_model_folder: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[str]:
-    """One real vLLM server (CPU build, eager mode for a quicker start) for the session."""
-    port = free_port()
-    log = (tmp_path_factory.mktemp("vllm") / "server.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-         str(demo_model_folder), "--served-model-name", MODEL, "--port", str(port),
-         "--max-model-len", "1024", "--enforce-eager", "--disable-uvicorn-access-log",
-         # A prompt served partly from the prefix cache takes another kernel path, whose
-         # rounding can turn a greedy near-tie: each answer here is computed from scratch.
-         "--no-enable-prefix-caching"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, 600, process)
-        yield url
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-        log.close()
 
 
 @pytest.fixture
@@ -59,7 +27,7 @@ def key(vllm_url: str) -> str:
     routes.publish(build_table([DeploymentRoutes(deployment="smollm2", served_model_name=MODEL,
                                      policy="least-load", max_model_len=1024,
                                      replicas=(RouteReplica("smollm2-1", vllm_url),),
-                                     names=(MODEL, "demo-alias"))]))
+                                     names=(MODEL, "demo-alias"), running_usage=True)]))
     return make_api_key(ApiKey.Scope.INFERENCE)
 
 
