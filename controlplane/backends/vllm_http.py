@@ -27,10 +27,10 @@ def warm_up(http: httpx.Client, deployment: Deployment, endpoint: str) -> None:
     """One real request, so no user pays the first-request cost; raises on failure. An
     embedding model is asked for an embedding, any other for a one-token completion."""
     name = deployment.served_model_name()
-    path, body = ("/v1/embeddings", {"model": name, "input": "Hello"}) if (
-        deployment.model.task == "embed") else (
-        "/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 1,
-                            "temperature": 0})
+    path, body = ("/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 1,
+                                      "temperature": 0})
+    if deployment.model.task == "embed":
+        path, body = "/v1/embeddings", {"model": name, "input": "Hello"}
     try:
         response = http.post(f"{endpoint}{path}", json=body, timeout=WARM_UP_SECONDS,
                              headers=auth(deployment.upstream_key()))

@@ -142,7 +142,8 @@ def test_the_installed_vllm_takes_every_allowed_flag() -> None:
     from controlplane.engine_args import EXTRA_ARGS_ALLOWED, EXTRA_ARGS_REMOVED
 
     parser = make_arg_parser(FlexibleArgumentParser())
-    values = {"--generation-config": "auto", "--tokenizer-mode": "auto"}
+    values = {"--generation-config": "auto", "--tokenizer-mode": "auto",
+              "--runner": "pooling", "--convert": "embed"}
     for flag, takes_value in EXTRA_ARGS_ALLOWED.items():
         given = [flag, values.get(flag, "2")] if takes_value else [flag]
         parsed = parser.parse_args(["--model", "m", *given])
@@ -154,3 +155,18 @@ def test_the_installed_vllm_takes_every_allowed_flag() -> None:
     line = engine_command_line({"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
                                model_path="/m", served_name="s", port=8000)
     assert parser.parse_args(line).pipeline_parallel_size == 2
+    embedding = engine_command_line({}, model_path="/m", served_name="s", port=8000,
+                                    task="embed")
+    assert parser.parse_args(embedding).runner == "pooling"
+
+
+def test_an_embedding_model_runs_on_the_pooling_runner_unless_extra_args_name_one() -> None:
+    line = engine_command_line({}, model_path="/m", served_name="s", port=8000, task="embed")
+    assert line[-2:] == ["--runner", "pooling"]
+    assert "--runner" not in engine_command_line({}, model_path="/m", served_name="s",
+                                                 port=8000)
+    chosen = engine_command_line({"extra_args": ["--runner=generate"]}, model_path="/m",
+                                 served_name="s", port=8000, task="embed")
+    assert [a for a in chosen if a.startswith("--runner")] == ["--runner=generate"]
+    assert validate_engine_args({"extra_args": ["--convert", "embed"]})["extra_args"] == [
+        "--convert", "embed"]

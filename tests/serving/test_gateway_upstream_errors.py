@@ -54,10 +54,14 @@ def endpoint_url() -> Iterator[str]:
 
 @pytest.fixture
 def key(endpoint_url: str) -> str:
-    routes.publish(build_table([DeploymentRoutes(deployment="external", served_model_name="ext",
+    # The same endpoint under a second name as an embedding model, which it does not serve.
+    routes.publish(build_table([DeploymentRoutes(deployment=deployment, served_model_name="ext",
                                      policy="least-load", max_model_len=2048,
                                      replicas=(RouteReplica("external-1", endpoint_url),),
-                                     names=("ext",))]))
+                                     names=(name,), task=task)
+                                for deployment, name, task in (
+                                    ("external", "ext", "generate"),
+                                    ("external-vectors", "ext-vectors", "embed"))]))
     return create_api_key("app", "inference")[1]
 
 
@@ -69,7 +73,7 @@ def test_a_plain_text_404_from_an_endpoint_reaches_the_client_in_openais_shape(
         gateway_url: str, endpoint_url: str, key: str) -> None:
     assert httpx.post(f"{endpoint_url}/v1/embeddings").text == "404: Not Found"
     with pytest.raises(openai.NotFoundError) as refused:
-        client(gateway_url, key).embeddings.create(model="ext", input="hello")
+        client(gateway_url, key).embeddings.create(model="ext-vectors", input="hello")
     response = refused.value.response
     assert response.headers["content-type"] == "application/json"
     assert response.json() == {"error": {"message": "404: Not Found", "type": "upstream_error",
