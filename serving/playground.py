@@ -88,11 +88,17 @@ def prepare(message: dict[str, Any]) -> Generation:
     found = routes.table.deployment(name)
     if found is None:
         raise PlaygroundError(f"no deployment named {name!r} is serving")
+    if found.task == "embed":
+        raise PlaygroundError(f"{name!r} serves an embedding model: the playground chats "
+                              f"with models that generate text")
     top = min(settings.PLAYGROUND_MAX_TOKENS, found.max_model_len or 10**9)
     max_tokens = number(message, "max_tokens", 1, top, min(256, top))
     body: dict[str, Any] = {
         "model": found.served_model_name, "messages": chat_messages(message),
-        "stream": True, "stream_options": {"include_usage": True},
+        # The usage so far on every chunk where the engine gives it: a stopped generation
+        # is recorded with what was streamed.
+        "stream": True, "stream_options": {"include_usage": True,
+                                           "continuous_usage_stats": found.running_usage},
         "max_tokens": int(max_tokens or 1),
         "temperature": number(message, "temperature", 0, 2, 0.7),
         "top_p": number(message, "top_p", 0.01, 1, 1.0),
@@ -199,7 +205,7 @@ async def relay_tokens(ident: str, stream: Stream, timing: Timing, emit: Emit
                 continue
             parsed = orjson.loads(event[6:])
             if parsed.get("usage"):
-                usage = parsed["usage"]
+                usage = stream.usage = parsed["usage"]  # kept should the caller stop
             for choice in parsed.get("choices") or ():
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:

@@ -110,6 +110,36 @@ async def test_a_stopped_generation_is_recorded_as_499_and_frees_its_slot(
     assert (usage.status, usage.username, usage.replica) == (499, "ada", "e1")
 
 
+async def test_a_stopped_generation_is_recorded_with_the_tokens_streamed(
+        fake_engines: Callable[..., FakeEngine]) -> None:
+    publish("demo", [fake_engines("e1", interval_ms=20)], running_usage=True)
+    tokens: list[str] = []
+    third = asyncio.Event()
+
+    async def emit(item: dict[str, Any]) -> None:
+        if item["type"] == "token":
+            tokens.append(item["text"])
+            if len(tokens) == 3:
+                third.set()
+
+    generation = playground.prepare({"deployment": "demo", "max_tokens": 200,
+                                     "messages": QUESTION})
+    task = asyncio.ensure_future(playground.generate("a", generation, "ada", emit))
+    await asyncio.wait_for(third.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    [usage] = await written_records()
+    assert (usage.status, usage.prompt_tokens) == (499, 5)
+    assert usage.completion_tokens == len("".join(tokens).split())
+
+
+def test_the_playground_refuses_an_embedding_model() -> None:
+    publish("vectors", [], task="embed")
+    with pytest.raises(playground.PlaygroundError, match="serves an embedding model"):
+        playground.prepare({"deployment": "vectors", "messages": QUESTION})
+
+
 async def test_a_refusal_is_recorded_once_whichever_way_the_call_came(
         fake_engines: Callable[..., FakeEngine], client: httpx.AsyncClient) -> None:
     publish("demo", [])  # no ready replica, and no wake path: 503 at once
