@@ -7,7 +7,9 @@ and the gateway closes the upstream at once. vLLM counts every token it generate
 including the few it made between the last chunk relayed and the moment it saw the
 connection go: so the engine's generation counter may exceed the records by at most
 AHEAD_TOKENS per stream left, and never falls short of them. Everything else (prompts
-included, those of streams left too) is equal to the token.
+included, those of streams left too) is equal to the token, with one rule for `n`: vLLM
+runs each of a request's n choices as a request of its own and counts the prompt n times,
+while the usage it answers (and the record) counts it once.
 """
 
 from __future__ import annotations
@@ -63,13 +65,14 @@ def settled_records(prefix: str, expected: int) -> list[UsageRecord]:
 
 
 async def drive(gateway_url: str, key: str, prefix: str) -> dict[str, list[str]]:
-    """The load: streams (with and without the usage event), whole answers, streams the
-    client leaves after three chunks, and bad requests; ~30 requests, 6 at a time.
+    """The load: streams (with and without the usage event), whole answers, answers of
+    two choices, streams the client leaves after three chunks, and bad requests; ~30
+    requests, 6 at a time.
     Returns the request ids by kind."""
     client = openai.AsyncOpenAI(base_url=f"{gateway_url}/v1", api_key=key, max_retries=0,
                                 timeout=120)
     ids: dict[str, list[str]] = {"answered": [], "left": [], "refused_by_engine": [],
-                                 "refused_by_gateway": []}
+                                 "refused_by_gateway": [], "two_choices": []}
     gate = asyncio.Semaphore(6)
     counter = iter(range(1000))
 
@@ -104,6 +107,17 @@ async def drive(gateway_url: str, key: str, prefix: str) -> dict[str, list[str]]
                 await client.completions.create(model=MODEL, prompt="1, 2, 3,",
                                                 max_tokens=8, **new_id("answered"))
 
+    async def two_choices(stream: bool) -> None:
+        async with gate:
+            extra = new_id("answered")
+            ids["two_choices"].append(extra["extra_headers"]["X-Request-Id"])
+            answer: Any = await client.completions.create(
+                model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, stream=stream,
+                temperature=1, **extra)
+            if stream:
+                async for _ in answer:
+                    pass
+
     async def leave_stream() -> None:
         async with gate:
             stream = await client.chat.completions.create(
@@ -130,6 +144,7 @@ async def drive(gateway_url: str, key: str, prefix: str) -> dict[str, list[str]]
     await asyncio.gather(*(stream_chat(usage=i % 2 == 0) for i in range(8)),
                          *(stream_completion() for _ in range(2)),
                          *(whole(chat=i % 3 != 0) for i in range(8)),
+                         *(two_choices(stream=i == 0) for i in range(2)),
                          *(leave_stream() for _ in range(6)),
                          *(refused_by_engine() for _ in range(2)),
                          *(refused_by_gateway() for _ in range(2)))
@@ -167,7 +182,9 @@ def test_usage_records_add_up_to_the_engines_token_counters(
 
     prompt_recorded = sum(r.prompt_tokens or 0 for r in records)
     completion_recorded = sum(r.completion_tokens or 0 for r in records)
-    assert prompt_recorded == prompt_after - prompt_before
+    # The engine counts the prompt of a request with n=2 twice; its record once.
+    prompt_twice = sum(by_id[i].prompt_tokens or 0 for i in ids["two_choices"])
+    assert prompt_recorded + prompt_twice == prompt_after - prompt_before
     ahead = generation_after - generation_before - completion_recorded
     assert 0 <= ahead <= AHEAD_TOKENS * len(ids["left"])
     # The streams left were cut off: charged for a few tokens, not what they asked for.
