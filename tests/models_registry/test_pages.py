@@ -41,6 +41,12 @@ def test_the_model_page_shows_the_kv_bytes_and_an_estimate_per_preset(
     assert page.count("GiB</td>") >= 3
 
 
+def test_the_model_page_says_what_the_model_does(staff_client: Client) -> None:
+    make_model("minilm", task=Model.Task.EMBED)
+    page = staff_client.get("/models/minilm/").content.decode()
+    assert '<dd id="model-task">Embeddings</dd>' in page
+
+
 def test_the_model_page_estimates_for_any_memory_size(staff_client: Client) -> None:
     make_model("smollm2")
     page = staff_client.get("/models/smollm2/", {"memory_gib": "16"}).content.decode()

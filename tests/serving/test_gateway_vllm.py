@@ -137,6 +137,6 @@ def test_a_prompt_longer_than_the_context_is_a_bad_request(gateway_url: str,
 
 def test_embeddings_on_a_generative_model_are_a_clear_error(gateway_url: str,
                                                             key: str) -> None:
-    with pytest.raises(openai.APIStatusError) as error:
+    with pytest.raises(openai.BadRequestError, match="generates text") as error:
         sync_client(gateway_url, key).embeddings.create(model=MODEL, input="hello")
-    assert 400 <= error.value.status_code < 500
+    assert error.value.code == "model_not_embedding"
