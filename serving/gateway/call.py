@@ -66,9 +66,10 @@ class Call:
     affinity: str | None = None  # the session a `session` policy keeps on one replica
     prefix: str | None = None  # the prompt's start, for the `prefix` policy
     wants_usage: bool = False  # the client asked for the usage event of a stream
-    # The stream's chunks carry the usage so far, which the client did not ask for (it is
-    # read, then taken out)
+    # The stream's chunks carry the usage so far (read for the record), and whether the
+    # client asked for it too (else it is taken out)
     running_usage: bool = False
+    wants_running_usage: bool = False
     limits: list[Limit] = field(default_factory=list)  # rate limits charged at admission
     receive: Receive | None = None  # an HTTP client's messages: leaving the queue on going
     timing: Timing = field(default_factory=Timing)
@@ -193,12 +194,12 @@ def build_call(scope: Scope, raw: bytes, kind: str, key: KeyInfo, request_id: st
     stream = bool(body.get("stream"))
     options = body.get("stream_options") or {}
     wants_usage = bool(options.get("include_usage"))
-    running_usage = found.running_usage and not (
-        wants_usage and options.get("continuous_usage_stats"))
+    wants_running_usage = wants_usage and bool(options.get("continuous_usage_stats"))
     raw = for_replica(body, raw, found, priority)
     affinity = header(scope, b"x-session-id") or str(body.get("user") or "") or None
     return Call(routes=found, model=model, path=scope["path"], raw=raw, stream=stream,
                 request_id=request_id, key=key, priority=priority,
                 prompt_tokens=prompt_tokens, reserved=reserved, affinity=affinity,
                 prefix=prompt_prefix(body, kind), wants_usage=wants_usage,
-                running_usage=stream and running_usage, timing=timing)
+                running_usage=stream and found.running_usage,
+                wants_running_usage=wants_running_usage, timing=timing)

@@ -161,7 +161,8 @@ async def relay_events(send: Send, response: Response, call: Call,
             complete, found["usage"] = take_usage(complete, keep=call.wants_usage)
         if call.running_usage and complete:
             found["last"] = complete
-            complete = RUNNING_USAGE.sub(b"", complete)
+            if not call.wants_running_usage:
+                complete = RUNNING_USAGE.sub(b"", complete)
         if complete:
             await send({"type": "http.response.body", "body": complete, "more_body": True})
     await send({"type": "http.response.body", "body": pending, "more_body": False})

@@ -95,6 +95,17 @@ def test_the_usage_so_far_is_passed_on_when_the_client_asks_for_it(
     assert running == [1, 2, 3]
 
 
+def test_a_stream_left_by_a_client_that_asked_for_the_usage_so_far_is_recorded_too(
+        gateway_url: str, key: str, fake_engines: Engines) -> None:
+    publish("demo", [fake_engines("demo-1", interval_ms=20)], running_usage=True)
+    events = read_events(gateway_url, key, {**CHAT, "max_tokens": 400, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}, "left-asking", keep=4)
+    assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 3, 4]  # type: ignore[index]
+    record = record_of("left-asking")
+    assert (record.status, record.prompt_tokens) == (499, 5)
+    assert 4 <= record.completion_tokens < 400  # type: ignore[operator]
+
+
 def test_a_model_answers_only_the_endpoints_of_its_task(
         gateway_url: str, key: str, fake_engines: Engines) -> None:
     engine = fake_engines("demo-1")
