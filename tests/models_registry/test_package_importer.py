@@ -26,8 +26,10 @@ def test_the_packages_model_folder_is_found_among_its_installed_files() -> None:
 
 
 @pytest.mark.parametrize(("name", "message"), [
-    ("no-such-package-here", "no package named 'no-such-package-here' is installed"),
-    ("pytest", "holds no model folder"),
+    # Not installed, or no model inside: one answer, which tells nothing of what is installed
+    ("no-such-package-here", "no installed package named 'no-such-package-here' carries a "
+                             "model folder"),
+    ("pytest", "no installed package named 'pytest' carries a model folder"),
     ("../etc", "is not a package name"),
 ])
 def test_a_package_without_one_model_folder_is_refused(name: str, message: str) -> None:
@@ -52,7 +54,7 @@ def test_register_model_records_the_package_model_as_an_embedding_model() -> Non
     assert model.parameter_count == 22_713_728
     assert model.revision == metadata.version(PACKAGE)
     assert model.path == str(package_model_folder(PACKAGE))
-    with pytest.raises(CommandError, match="package: no package named"):
+    with pytest.raises(CommandError, match="package: no installed package named"):
         call_command("register_model", "other", "--source", "package", "--package", "nope-x")
 
 
