@@ -29,6 +29,11 @@ class UpstreamError(Exception):
     """The replica could not be reached, or the connection broke before the answer ended."""
 
 
+class UpstreamStalled(UpstreamError):
+    """The replica sent nothing for the caller's limit: its process may be hung (stopped,
+    deadlocked) while its socket stays open, which no connection error would ever say."""
+
+
 @dataclass(frozen=True)
 class Target:
     """A replica's base URL, parsed: where to connect and what to send."""
@@ -110,6 +115,8 @@ class Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.length_known = False
         self.keep_alive = False
+        #: The longest wait for the next body bytes (None: no limit); set per request.
+        self.idle_timeout: float | None = None
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
@@ -201,8 +208,22 @@ class Connection(asyncio.Protocol):
             self.head.set_exception(error)
         self.wake()
 
-    async def send(self, request: bytes) -> Response:
-        """Write one request; wait for the answer's status and headers."""
+    def stall(self, seconds: float) -> None:
+        """Nothing came within the caller's limit: the answer fails, the connection is
+        dropped (a replica that wakes up again sees its client gone)."""
+        if self.busy and not self.complete and self.error is None:
+            self.fail(UpstreamStalled(f"the replica sent nothing for {seconds:g} s"))
+            self.abort()
+
+    def _timer(self, seconds: float | None) -> asyncio.TimerHandle | None:
+        """A call to `stall` after `seconds`, unless cancelled first."""
+        if not seconds:
+            return None
+        return asyncio.get_running_loop().call_later(seconds, self.stall, seconds)
+
+    async def send(self, request: bytes, head_timeout: float | None = None) -> Response:
+        """Write one request; wait for the answer's status and headers (at most
+        `head_timeout` seconds, when given)."""
         if self.closed or self.transport is None:
             raise UpstreamError("the replica closed the connection")
         self.busy, self.received, self.complete, self.error = True, False, False, None
@@ -213,11 +234,15 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.head = asyncio.get_running_loop().create_future()
         self.transport.write(request)
+        timer = self._timer(head_timeout)
         try:
             return await self.head
         except BaseException:
             self.abort()
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def read_some(self) -> bytes:
         """Every body byte buffered now (waiting for some); b"" at the end."""
@@ -227,10 +252,13 @@ class Connection(asyncio.Protocol):
             if self.complete:
                 return b""
             self.waiter = asyncio.get_running_loop().create_future()
+            timer = self._timer(self.idle_timeout)
             try:
                 await self.waiter
             finally:
                 self.waiter = None
+                if timer is not None:
+                    timer.cancel()
         data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         self.body.clear()
         self.buffered = 0
@@ -328,8 +356,13 @@ class ConnectionPool:
         path: str,
         body: bytes = b"",
         headers: tuple[tuple[str, str], ...] = (),
+        *,
+        head_timeout: float | None = None,
+        idle_timeout: float | None = None,
     ) -> Response:
-        """Send one request to a replica and wait for the answer's status and headers."""
+        """Send one request to a replica and wait for the answer's status and headers.
+        `head_timeout` bounds the wait for them, `idle_timeout` each wait for body bytes
+        after them (None: no bound); either one run out is UpstreamStalled."""
         where = target(base_url)
         lines = [
             f"{method} {where.prefix}{path} HTTP/1.1\r\n".encode("latin-1"),
@@ -348,15 +381,19 @@ class ConnectionPool:
         request = b"".join(lines)
         connection = self.take_idle(where)
         if connection is not None:
+            connection.idle_timeout = idle_timeout
             try:
-                return await connection.send(request)
+                return await connection.send(request, head_timeout)
+            except UpstreamStalled:
+                raise  # the replica is there but silent: another connection would wait too
             except UpstreamError:
                 # The replica closed the kept-alive connection before reading the request:
                 # nothing reached it, so sending again on a new connection is safe.
                 if connection.received:
                     raise
         connection = await self.connect(where)
-        return await connection.send(request)
+        connection.idle_timeout = idle_timeout
+        return await connection.send(request, head_timeout)
 
     async def get_text(self, base_url: str, path: str,
                        headers: tuple[tuple[str, str], ...] = ()) -> str:
