@@ -82,10 +82,6 @@ class Traffic:
         for thread in self.threads:
             thread.join(timeout=120)
         assert not any(thread.is_alive() for thread in self.threads), "a client hangs"
-        import collections, os
-        if os.environ.get("DBG"):
-            print(collections.Counter((o.label, o.status, o.done, (o.error or {}).get("code"), o.broken[:60]) for o in self.outcomes))
-            print([ (round(o.ended-o.started,2), o.error) for o in self.outcomes if not o.ok][:20])
         return list(self.outcomes)
 
     def client(self, index: int) -> None:
