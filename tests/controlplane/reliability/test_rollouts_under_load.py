@@ -24,16 +24,16 @@ def test_a_rolling_restart_and_a_scale_down_under_load_fail_no_request(
         tmp_path: Path) -> None:
     with running_fleet(tmp_path, TOKEN_INTERVAL_MS) as fleet:
         fleet.deploy("chat", 2)
-        old = {r["name"] for r in fleet.replicas("chat")}
         traffic = fleet.traffic("chat").start()
         try:
             traffic.wait_for_answers(16)
             traffic.label = "restart"
-            assert fleet.api.post("/api/v1/deployments/chat/restart/").status_code == 200
-            wait_until("both replicas of the new generation, ready, the old ones gone",
-                       lambda: [r["phase"] for r in fleet.replicas("chat")
-                                if r["name"] not in old] == ["ready", "ready"]
-                       and len(fleet.replicas("chat")) == 2, 90)
+            restarted = fleet.api.post("/api/v1/deployments/chat/restart/")
+            assert restarted.status_code == 200, restarted.text
+            generation = restarted.json()["generation"]
+            wait_until("both replicas of the new generation and ready, the old ones gone",
+                       lambda: [(r["generation"], r["phase"]) for r in fleet.replicas("chat")
+                                ] == [(generation, "ready")] * 2, 90)
             traffic.wait_for_answers(16, "restart")
             traffic.label = "scale-down"
             scaled = fleet.api.post("/api/v1/deployments/chat/scale/", {"replicas": 1})
