@@ -65,6 +65,7 @@ def test_a_replica_whose_load_cannot_be_read_drains_until_its_deadline(
     assert reconciler.drain(deployment, backend, replica, timezone.now()) is False
     assert replica.stop_requested_at is None and not backend.is_gone(replica)
     # At the deadline it is stopped all the same.
+    assert replica.drain_deadline is not None
     assert reconciler.drain(deployment, backend, replica, replica.drain_deadline) is True
     assert replica.stop_requested_at is not None
 
