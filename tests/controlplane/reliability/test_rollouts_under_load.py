@@ -1,7 +1,8 @@
 """Rollouts, scale-downs and deletes under load lose no request: `manage.py serve` with a
 deployment of 2 local replicas (FAKE engines: fakes/vllm_cli.py) and 16 clients streaming
 through its gateway without pause, while the deployment is restarted, scaled down and
-deleted (docs/deployments.md, "A replica's life")."""
+deleted, directly and through a gateway process that follows the route table through
+Redis (docs/deployments.md, "A replica's life")."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.controlplane.reliability.traffic import running_fleet, wait_until
+from tests.controlplane.reliability.traffic import private_redis, running_fleet, wait_until
+from tests.processes import Api
 
 pytestmark = pytest.mark.slow
 
@@ -97,3 +99,35 @@ def test_a_drain_past_its_deadline_ends_the_streams_left_with_an_sse_error(
     # Cut by the deadline (plus the stop's grace), not run to their end.
     assert max(o.ended - o.started for o in cut) < 10
 
+
+
+def test_a_rolling_restart_fails_no_request_through_a_gateway_in_another_process(
+        tmp_path: Path) -> None:
+    # The other gateway learns the route table through Redis, a moment after the controller.
+    with private_redis() as redis_url, running_fleet(
+            tmp_path, TOKEN_INTERVAL_MS, gateways_beside=1, REDIS_URL=redis_url) as fleet:
+        fleet.deploy("chat", 2)
+        [gateway] = fleet.gateways
+        wait_until("the other gateway routing both replicas", lambda: any(
+            m["id"] == "chat" and m["ready_replicas"] == 2
+            for m in Api(gateway, fleet.api.key).get("/v1/models")["data"]), 30)
+        traffic = fleet.traffic("chat", url=gateway).start()
+        try:
+            traffic.wait_for_answers(16)
+            traffic.label = "restart"
+            restarted = fleet.api.post("/api/v1/deployments/chat/restart/")
+            assert restarted.status_code == 200, restarted.text
+            generation = restarted.json()["generation"]
+            wait_until("both replicas of the new generation and ready, the old ones gone",
+                       lambda: [(r["generation"], r["phase"]) for r in fleet.replicas("chat")
+                                ] == [(generation, "ready")] * 2, 90)
+            traffic.wait_for_answers(16, "restart")
+            traffic.label = "scale-down"
+            scaled = fleet.api.post("/api/v1/deployments/chat/scale/", {"replicas": 1})
+            assert scaled.status_code == 200, scaled.text
+            wait_until("one replica left", lambda: len(fleet.replicas("chat")) == 1, 60)
+            traffic.wait_for_answers(16, "scale-down")
+        finally:
+            outcomes = traffic.stop()
+    assert [o for o in outcomes if not o.ok] == []
+    assert {o.label for o in outcomes} == {"steady", "restart", "scale-down"}

@@ -5,7 +5,10 @@ to its end and judged as a user's client would."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -139,10 +142,13 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float,
 
 @dataclass
 class Fleet:
-    """A running `manage.py serve`, its admin key and its local backend of fake engines."""
+    """A running `manage.py serve`, its admin key and its local backend of fake engines;
+    with `gateways`, the URLs of further `manage.py serve --no-controllers` processes that
+    follow its route table through Redis."""
 
     api: Api
     env: dict[str, str]
+    gateways: list[str] = field(default_factory=list)
 
     def deploy(self, name: str, replicas: int) -> None:
         created = self.api.post("/api/v1/deployments/", {
@@ -160,8 +166,8 @@ class Fleet:
     def replicas(self, deployment: str) -> list[dict[str, Any]]:
         return list(self.api.get(f"/api/v1/deployments/{deployment}/")["replica_list"])
 
-    def traffic(self, model: str, **options: Any) -> Traffic:
-        return Traffic(self.api.url, self.api.key, model, **options)
+    def traffic(self, model: str, url: str = "", **options: Any) -> Traffic:
+        return Traffic(url or self.api.url, self.api.key, model, **options)
 
     def engine_running(self, replica: dict[str, Any]) -> float:
         """vllm:num_requests_running of a replica, read from its /metrics."""
@@ -172,10 +178,34 @@ class Fleet:
 
 
 @contextmanager
-def running_fleet(folder: Path, token_interval_ms: float, **settings: str) -> Iterator[Fleet]:
+def private_redis() -> Iterator[str]:
+    """A redis-server of the test's own on a free port (nothing saved), so no other test's
+    route table or keys share it; its URL."""
+    port = free_port()
+    process = subprocess.Popen(["redis-server", "--port", str(port), "--save", "",
+                                "--appendonly", "no", "--bind", "127.0.0.1"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until("the private Redis", lambda: _answers(port), 10, 0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def _answers(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1) as sock:
+        sock.sendall(b"PING\r\n")
+        return sock.recv(16).startswith(b"+PONG")
+    return False
+
+
+@contextmanager
+def running_fleet(folder: Path, token_interval_ms: float, gateways_beside: int = 0,
+                  **settings: str) -> Iterator[Fleet]:
     """`manage.py serve` with quick reconcile passes and health probes (`settings` adds or
-    overrides), a fake-engine backend named `fakes` and the model `fake`; everything it
-    started is ended afterwards."""
+    overrides: REDIS_URL for `gateways_beside` gateway processes), a fake-engine backend
+    named `fakes` and the model `fake`; everything it started is ended afterwards."""
     python = stand_in_python(folder, token_interval_ms=token_interval_ms)
     env = server_env(folder / "data", **{
         "LOCAL_BACKEND_PYTHONS": python, "RECONCILE_INTERVAL_SECONDS": "0.3",
@@ -189,13 +219,19 @@ def running_fleet(folder: Path, token_interval_ms: float, **settings: str) -> It
     admin = manage(env, "create_api_key", "--name", "tests", "--scope",
                    "admin").stdout.strip().splitlines()[-1]
     port = free_port()
-    server, _ = start_server(env, port)
+    servers = [start_server(env, port)[0]]
     try:
+        gateways = []
+        for _ in range(gateways_beside):
+            other = free_port()
+            servers.append(start_server(env, other, "--no-controllers")[0])
+            gateways.append(f"http://127.0.0.1:{other}")
         api = Api(f"http://127.0.0.1:{port}", admin)
         created = api.post("/api/v1/backends/", {"name": "fakes", "kind": "local",
                                                  "config": {"python": python}})
         assert created.status_code == 201, created.text
-        yield Fleet(api, env)
+        yield Fleet(api, env, gateways)
     finally:
-        stop_server(server)
+        for server in reversed(servers):
+            stop_server(server)
         end_replicas(env["DATA_DIR"])
