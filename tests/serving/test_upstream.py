@@ -267,3 +267,24 @@ async def test_a_replica_that_never_answers_fails_within_the_head_limit_on_one_c
     # Not sent again on a new connection: that one would wait just as long.
     assert server.connections == 1 and len(server.requests) == 2
     pool.close()
+
+
+async def test_a_stream_that_keeps_sending_outlives_its_idle_limit_many_times(
+        server: RawServer) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(12):  # 1.2 s of pieces 0.1 s apart, against a limit of 0.3 s
+            await asyncio.sleep(0.1)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    server.handler = handler
+    pool = ConnectionPool()
+    response = await pool.request("POST", server.url, "/v1/completions", b"{}",
+                                  head_timeout=0.3, idle_timeout=0.3)
+    assert await response.read() == b"x" * 12
+    response.release()
+    pool.close()
