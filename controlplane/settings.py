@@ -322,6 +322,11 @@ GATEWAY_KEY_MAX_IN_FLIGHT = env_int("GATEWAY_KEY_MAX_IN_FLIGHT", 512, minimum=0)
 GATEWAY_KEY_QUEUE_SHARE = env_float("GATEWAY_KEY_QUEUE_SHARE", 0.5, minimum=0.01, maximum=1.0)
 GATEWAY_MAX_RESPONSE_BYTES = env_int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1024,
                                      minimum=1024)
+# The longest the gateway waits for a replica's next bytes (a stream's head, each piece
+# after it; a whole answer's body once it began): a hung replica's streams then end with an
+# SSE error instead of hanging, and a request it holds before answering goes to another
+# replica. 0: no limit.
+GATEWAY_UPSTREAM_IDLE_SECONDS = env_float("GATEWAY_UPSTREAM_IDLE_SECONDS", 60.0, minimum=0.0)
 
 # The metrics collector and the live dashboards.
 SCRAPE_INTERVAL = env_float("SCRAPE_INTERVAL", 2.0, minimum=0.2)

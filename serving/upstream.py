@@ -29,6 +29,11 @@ class UpstreamError(Exception):
     """The replica could not be reached, or the connection broke before the answer ended."""
 
 
+class UpstreamStalled(UpstreamError):
+    """The replica sent nothing for the caller's limit: its process may be hung (stopped,
+    deadlocked) while its socket stays open, which no connection error would ever say."""
+
+
 @dataclass(frozen=True)
 class Target:
     """A replica's base URL, parsed: where to connect and what to send."""
@@ -110,6 +115,14 @@ class Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.length_known = False
         self.keep_alive = False
+        # Silence limits, set per request (None: no limit): for the status and headers,
+        # then for each wait after them. One watchdog timer per connection checks them
+        # when they may have run out, so no chunk pays for a timer of its own.
+        self.head_timeout: float | None = None
+        self.idle_timeout: float | None = None
+        self.loop = asyncio.get_running_loop()
+        self.last_heard = 0.0  # loop time of the request or of the last bytes since
+        self.watchdog: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
@@ -120,6 +133,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         """Feed the answer's bytes to the parser."""
         self.received = True
+        self.last_heard = self.loop.time()
         if self.parser is None:  # bytes nobody asked for: the connection cannot be trusted
             self.abort()
             return
@@ -143,13 +157,11 @@ class Connection(asyncio.Protocol):
                     )
                 )
 
-    def pause_writing(self) -> None:  # requests are small; nothing to hold back
+    def pause_writing(self) -> None:
         """Nothing to hold back: requests are small."""
-        pass
 
     def resume_writing(self) -> None:
         """Nothing was held back."""
-        pass
 
     # --- httptools callbacks -----------------------------------------------------------
 
@@ -170,6 +182,7 @@ class Connection(asyncio.Protocol):
         )
         if self.head is not None and not self.head.done():
             self.head.set_result(Response(self, self.parser.get_status_code(), headers))
+        self.watch()  # from now on the idle limit applies
 
     def on_body(self, body: bytes) -> None:
         """A piece of the body; reading pauses past HIGH_WATER bytes."""
@@ -201,8 +214,48 @@ class Connection(asyncio.Protocol):
             self.head.set_exception(error)
         self.wake()
 
+    def stall(self, seconds: float) -> None:
+        """Nothing came within the caller's limit: the answer fails, the connection is
+        dropped (a replica that wakes up again sees its client gone)."""
+        if self.busy and not self.complete and self.error is None:
+            self.fail(UpstreamStalled(f"the replica sent nothing for {seconds:g} s"))
+            self.abort()
+
+    def limit(self) -> float | None:
+        """The silence limit that applies now: before the status and headers, then after."""
+        waiting_for_head = self.head is not None and not self.head.done()
+        return self.head_timeout if waiting_for_head else self.idle_timeout
+
+    def watch(self) -> None:
+        """Arm the watchdog for the limit that applies now, unless it is armed."""
+        limit = self.limit()
+        if limit and self.watchdog is None:
+            self.watchdog = self.loop.call_at(self.last_heard + limit, self.check_silence)
+
+    def check_silence(self) -> None:
+        """The watchdog: stall the answer if the replica has been silent past the limit
+        (not while reading is paused: that silence is the caller's), else look again when
+        it could be."""
+        self.watchdog = None
+        limit = self.limit()
+        if not limit or not self.busy or self.complete or self.error is not None:
+            return
+        if self.paused:
+            self.last_heard = self.loop.time()
+        elif self.loop.time() - self.last_heard >= limit - 0.001:  # timers may fire early
+            self.stall(limit)
+            return
+        self.watch()
+
+    def unwatch(self) -> None:
+        """Disarm the watchdog."""
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
+
     async def send(self, request: bytes) -> Response:
-        """Write one request; wait for the answer's status and headers."""
+        """Write one request; wait for the answer's status and headers (at most
+        `head_timeout` seconds, when set)."""
         if self.closed or self.transport is None:
             raise UpstreamError("the replica closed the connection")
         self.busy, self.received, self.complete, self.error = True, False, False, None
@@ -213,6 +266,8 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.head = asyncio.get_running_loop().create_future()
         self.transport.write(request)
+        self.last_heard = self.loop.time()
+        self.watch()
         try:
             return await self.head
         except BaseException:
@@ -244,6 +299,7 @@ class Connection(asyncio.Protocol):
         if not self.busy:
             return
         self.busy = False
+        self.unwatch()
         reusable = self.complete and self.error is None and not self.closed and self.keep_alive
         self.parser, self.head = None, None
         self.body.clear()
@@ -255,6 +311,7 @@ class Connection(asyncio.Protocol):
     def abort(self) -> None:
         """Close the connection now."""
         self.busy = False
+        self.unwatch()
         if not self.closed:
             self.closed = True
             if self.transport is not None:
@@ -328,8 +385,13 @@ class ConnectionPool:
         path: str,
         body: bytes = b"",
         headers: tuple[tuple[str, str], ...] = (),
+        *,
+        head_timeout: float | None = None,
+        idle_timeout: float | None = None,
     ) -> Response:
-        """Send one request to a replica and wait for the answer's status and headers."""
+        """Send one request to a replica and wait for the answer's status and headers.
+        `head_timeout` bounds the wait for them, `idle_timeout` each wait for body bytes
+        after them (None: no bound); either one run out is UpstreamStalled."""
         where = target(base_url)
         lines = [
             f"{method} {where.prefix}{path} HTTP/1.1\r\n".encode("latin-1"),
@@ -348,14 +410,18 @@ class ConnectionPool:
         request = b"".join(lines)
         connection = self.take_idle(where)
         if connection is not None:
+            connection.head_timeout, connection.idle_timeout = head_timeout, idle_timeout
             try:
                 return await connection.send(request)
+            except UpstreamStalled:
+                raise  # the replica is there but silent: another connection would wait too
             except UpstreamError:
                 # The replica closed the kept-alive connection before reading the request:
                 # nothing reached it, so sending again on a new connection is safe.
                 if connection.received:
                     raise
         connection = await self.connect(where)
+        connection.head_timeout, connection.idle_timeout = head_timeout, idle_timeout
         return await connection.send(request)
 
     async def get_text(self, base_url: str, path: str,

@@ -291,9 +291,8 @@ class ReplicaReconciler:
               now: datetime) -> bool:
         """Wait for the streams in flight (up to the deadline), stop, then force after a grace."""
         if replica.stop_requested_at is None:
-            in_flight = backend.in_flight(replica)
             deadline = replica.drain_deadline or now
-            if in_flight and now < deadline:
+            if now < deadline and self.still_busy(backend, replica):
                 return False
             backend.stop(replica, force=False)
             return save(replica, stop_requested_at=now)
@@ -303,6 +302,15 @@ class ReplicaReconciler:
         if now - replica.stop_requested_at > timedelta(seconds=settings.STOP_GRACE_SECONDS):
             backend.stop(replica, force=True)
         return False
+
+    @staticmethod
+    def still_busy(backend: ReplicaBackend, replica: Replica) -> bool:
+        """Requests in flight, or a count that cannot be read (its /metrics slow or
+        silent) while the process lives: a drain never cuts streams on a guess."""
+        in_flight = backend.in_flight(replica)
+        if in_flight is None:
+            return not backend.is_gone(replica)
+        return in_flight > 0
 
     # --- counts ----------------------------------------------------------------------
 

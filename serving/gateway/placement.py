@@ -115,6 +115,8 @@ async def send_to_replica(resources: Resources, call: Call
     response: Response | None = None
     replica: RouteReplica | None = None
     last_error = ""
+    # A replica silent this long is taken for hung (its socket stays open while it is).
+    idle = settings.GATEWAY_UPSTREAM_IDLE_SECONDS or None
     for attempt in range(MAX_ATTEMPTS):
         replica = router.choose(call.routes, session=call.affinity, prefix=call.prefix,
                                 exclude=tried)
@@ -129,8 +131,10 @@ async def send_to_replica(resources: Resources, call: Call
         # Replicas demand their deployment's engine key (an external endpoint its own).
         upstream_headers = (*base_headers, *replica_auth(replica))
         try:
-            response = await resources.connections.request("POST", replica.url, call.path,
-                                                           call.raw, upstream_headers)
+            response = await resources.connections.request(
+                "POST", replica.url, call.path, call.raw, upstream_headers,
+                # A stream's head comes at once, a whole answer's only once it is done.
+                head_timeout=idle if call.stream else None, idle_timeout=idle)
         except UpstreamError as exc:
             state.in_flight -= 1
             replica_failed(resources, call, replica.name)

@@ -4,6 +4,8 @@ in test_gateway_vllm.py."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -250,6 +252,63 @@ def test_killing_the_replica_a_stream_is_on_ends_that_stream_with_an_error_event
                                                          max_tokens=2)
     assert answer.choices[0].text == " tok tok"
     assert survivor.metric("vllm:num_requests_running") == 0
+
+
+def test_a_replica_that_falls_silent_mid_stream_ends_it_with_an_error_event(
+    gateway_url: str, key: str, fake_engines: Engines, settings: Any
+) -> None:
+    # A stopped process keeps its socket open: only the idle limit tells.
+    settings.GATEWAY_UPSTREAM_IDLE_SECONDS = 1
+    first = fake_engines("silent-1", interval_ms=20)
+    second = fake_engines("silent-2", interval_ms=20)
+    publish("demo", [first, second], policy="round-robin")
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", f"{gateway_url}/v1/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"model": "fake", "prompt": "hi", "max_tokens": 500,
+                                "stream": True}) as response:
+            victim = first if first.metric("vllm:num_requests_running") else second
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                if len(events) == 5:
+                    os.kill(victim.process.pid, signal.SIGSTOP)
+                    stopped = time.monotonic()
+        ended = time.monotonic() - stopped
+        # The silent replica sits out: the next stream goes to the other one at once.
+        started = time.monotonic()
+        answer = client(gateway_url, key).completions.create(model="fake", prompt="hi",
+                                                             max_tokens=2)
+        answered_in = time.monotonic() - started
+    finally:
+        os.kill(victim.process.pid, signal.SIGCONT)
+    assert '"type":"upstream_error"' in events[-1] and "sent nothing for 1 s" in events[-1]
+    assert len(events) < 500
+    assert 1 <= ended < 10  # the limit, not the stream's length (10 s)
+    assert answer.choices[0].text == " tok tok"
+    assert answered_in < 1  # not first sent to the silent replica
+
+
+def test_a_stream_a_silent_replica_does_not_start_is_answered_by_another(
+    gateway_url: str, key: str, fake_engines: Engines, settings: Any
+) -> None:
+    settings.GATEWAY_UPSTREAM_IDLE_SECONDS = 1
+    silent, alive = fake_engines("mute-1"), fake_engines("mute-2")
+    os.kill(silent.process.pid, signal.SIGSTOP)
+    try:
+        publish("demo", [silent, alive], policy="round-robin")
+        texts = []
+        for _ in range(2):
+            stream = client(gateway_url, key).completions.create(
+                model="fake", prompt="hi", max_tokens=2, stream=True)
+            texts.append("".join(chunk.choices[0].text for chunk in stream if chunk.choices))
+    finally:
+        os.kill(silent.process.pid, signal.SIGCONT)
+    assert texts == [" tok tok", " tok tok"]
+    assert alive.metric("fake:requests_total") == 2
+    metrics = httpx.get(f"{gateway_url}/metrics").text
+    assert 'fleetplane_gateway_retries_total{model="fake"}' in metrics
 
 
 def test_a_client_that_disconnects_cancels_its_upstream_request(

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import pytest_asyncio
 
-from serving.upstream import ConnectionPool, UpstreamError
+from serving.upstream import ConnectionPool, UpstreamError, UpstreamStalled
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -224,3 +224,67 @@ async def test_a_header_value_cannot_smuggle_another_header(server: RawServer) -
         await pool.request("POST", server.url, "/v1/completions", b"{}",
                            (("X-Request-Id", "a\r\nX-Evil: 1"),))
     assert server.requests == []
+
+
+async def test_a_replica_silent_past_the_idle_limit_fails_the_read_and_loses_its_connection(
+        server: RawServer) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n6\r\ndata: \r\n")
+        await writer.drain()
+        await reader.read()  # then nothing more, as a stopped process, until the client goes
+
+    server.handler = handler
+    pool = ConnectionPool()
+    response = await pool.request("POST", server.url, "/v1/completions", b"{}",
+                                  head_timeout=0.3, idle_timeout=0.3)
+    assert await response.readany() == b"data: "
+    with pytest.raises(UpstreamStalled, match=r"sent nothing for 0\.3 s"):
+        await response.readany()
+    response.release()
+    assert not any(pool.idle.values())  # never handed to another request
+    pool.close()
+
+
+async def test_a_replica_that_never_answers_fails_within_the_head_limit_on_one_connection(
+        server: RawServer) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            body = await server.read_request(reader)
+            if body == b"{}":
+                await reader.read()  # silent: its socket open, nothing written
+            writer.write(sized(b"{}"))
+            await writer.drain()
+
+    server.handler = handler
+    pool = ConnectionPool()
+    kept = await pool.request("POST", server.url, "/v1/completions", b"[]")
+    await kept.read()
+    kept.release()  # a kept-alive connection the next request takes
+    with pytest.raises(UpstreamStalled):
+        await pool.request("POST", server.url, "/v1/completions", b"{}", head_timeout=0.3)
+    # Not sent again on a new connection: that one would wait just as long.
+    assert server.connections == 1 and len(server.requests) == 2
+    pool.close()
+
+
+async def test_a_stream_that_keeps_sending_outlives_its_idle_limit_many_times(
+        server: RawServer) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(12):  # 1.2 s of pieces 0.1 s apart, against a limit of 0.3 s
+            await asyncio.sleep(0.1)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    server.handler = handler
+    pool = ConnectionPool()
+    response = await pool.request("POST", server.url, "/v1/completions", b"{}",
+                                  head_timeout=0.3, idle_timeout=0.3)
+    assert await response.read() == b"x" * 12
+    response.release()
+    pool.close()
