@@ -147,6 +147,12 @@ def _lookup(key_hash: str) -> KeyInfo | None:
                    key_hash=key_hash)
 
 
+def knows_valid_keys() -> bool:
+    """Whether this process holds a valid key in its cache (one it can serve while the
+    database is away)."""
+    return bool(_cache)
+
+
 class KeysUnavailable(Exception):
     """The database could not be asked about a key no cache entry vouches for."""
 
