@@ -166,13 +166,12 @@ def write_batch(batch: list[Usage]) -> int:
     close_old_connections()
     rows = [_row(u, connection) for u in batch]
     try:
-        with transaction.atomic(), connection.cursor() as cursor:
-            inserted: set[str] = set()
-            for start in range(0, len(rows), ROWS_PER_STATEMENT):
-                inserted |= _insert(cursor, connection, rows[start:start + ROWS_PER_STATEMENT])
-            _add_to_key_totals(cursor, [u for u in batch if u.record_id in inserted],
-                               connection)
-        return len(inserted)
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                return _write_new(cursor, connection, batch, rows)
+        except _WrittenBefore:  # rolled back: which rows are new is sorted out row by row
+            with transaction.atomic(), connection.cursor() as cursor:
+                return _write_the_rest(cursor, connection, batch, rows)
     except (OperationalError, InterfaceError) as exc:
         raise StoreUnavailable(str(exc)) from exc
     except (DatabaseError, ValueError, OverflowError):
@@ -202,6 +201,36 @@ def write_batch(batch: list[Usage]) -> int:
 def _drop(usage: Usage, why: str = "the database refuses it") -> None:
     metrics.USAGE_DROPPED.inc()
     logger.error("dropped a usage record (%s): %r", why, usage)
+
+
+class _WrittenBefore(Exception):
+    """Some rows of the batch are in the table already (a batch written again)."""
+
+
+def _write_new(cursor: Any, connection: Any, batch: list[Usage],
+               rows: list[tuple[Any, ...]]) -> int:
+    """The common case, in one statement: every row is new (else _WrittenBefore)."""
+    from serving.models import UsageRecord
+
+    q = connection.ops.quote_name
+    cursor.executemany(
+        f"INSERT INTO {q(UsageRecord._meta.db_table)} ({', '.join(q(c) for c in COLUMNS)}) "
+        f"VALUES ({', '.join(['%s'] * len(COLUMNS))}) "
+        f"ON CONFLICT ({q('record_id')}) DO NOTHING", rows)
+    if cursor.rowcount != len(rows):
+        raise _WrittenBefore
+    _add_to_key_totals(cursor, batch, connection)
+    return len(rows)
+
+
+def _write_the_rest(cursor: Any, connection: Any, batch: list[Usage],
+                    rows: list[tuple[Any, ...]]) -> int:
+    """A batch written again: the rows not in the table yet, and their keys' totals."""
+    inserted: set[str] = set()
+    for start in range(0, len(rows), ROWS_PER_STATEMENT):
+        inserted |= _insert(cursor, connection, rows[start:start + ROWS_PER_STATEMENT])
+    _add_to_key_totals(cursor, [u for u in batch if u.record_id in inserted], connection)
+    return len(inserted)
 
 
 def _insert(cursor: Any, connection: Any, rows: list[tuple[Any, ...]]) -> set[str]:
