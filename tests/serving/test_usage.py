@@ -121,3 +121,15 @@ def test_records_wait_in_a_bounded_buffer_while_the_database_is_out_of_reach(
     assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == [
         "r2", "r3", "r4"]
     assert metrics.USAGE_DROPPED._value.get() == dropped_before + 2
+
+
+def test_a_large_batch_written_again_adds_only_its_new_records() -> None:
+    # Larger than one INSERT statement's rows: the records after an outage come in one.
+    make_api_key(ApiKey.Scope.INFERENCE)
+    key = ApiKey.objects.get()
+    landed = [usage(f"r{n}", key.pk, 1) for n in range(1200)]
+    assert write_batch(landed) == 1200
+    assert write_batch([*landed, *(usage(f"new{n}", key.pk, 2) for n in range(5))]) == 5
+    assert UsageRecord.objects.count() == 1205
+    key.refresh_from_db()
+    assert (key.requests_total, key.prompt_tokens_total) == (1205, 1210)
