@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 FLUSH_AT = 1000
 # Records kept while the database is out of reach; the oldest beyond are dropped.
 BUFFER_LIMIT = 100_000
-# Rows per INSERT statement (15 parameters each: within SQLite's and PostgreSQL's limits).
+# Rows per INSERT statement when a batch is written again (16 parameters each: within
+# the limits of SQLite and PostgreSQL).
 ROWS_PER_STATEMENT = 500
 
 
