@@ -40,6 +40,7 @@ from controlplane.metrics.store import (
     ScalingDecision,
 )
 from controlplane.metrics.targets import Target, load_targets
+from controlplane.outages import DatabaseOutage
 
 # Imported from here by the consumers, the controllers, the autoscaler and their tests.
 __all__ = ["FLEET_GROUP", "Collector", "GatewayCounters", "MetricsStore", "ReplicaSeries",
@@ -104,11 +105,13 @@ class Collector:
         logger.info("metrics collector running (every %.1f s)", self.interval)
         loop = asyncio.get_running_loop()
         next_at = loop.time()
+        outage = DatabaseOutage("metrics", logger)
         while not stop.is_set():
             try:
                 await self.one_pass()
-            except Exception:
-                logger.exception("metrics pass failed")
+                outage.succeeded()
+            except Exception as error:
+                outage.failed(error)
             next_at += self.interval
             delay = next_at - loop.time()
             if delay < 0:  # a slow pass: start again from now rather than catch up

@@ -19,6 +19,7 @@ from django.db import close_old_connections
 from controlplane import collector, liveness
 from controlplane.autoscaler.runner import Autoscaler
 from controlplane.leader import LeaseElection
+from controlplane.outages import DatabaseOutage
 from controlplane.reconciler import Reconciler
 from controlplane.routing import publish_routes
 from controlplane.wakeups import reconcile_requested, request_reconcile
@@ -73,6 +74,7 @@ async def _run(stop: asyncio.Event) -> None:
 async def run_autoscaler(stop: asyncio.Event) -> None:
     """A decision every SCRAPE_INTERVAL, after the collector's pass has new figures."""
     autoscaler = Autoscaler()
+    outage = DatabaseOutage("autoscaler", logger)
 
     def one_pass() -> bool:
         close_old_connections()
@@ -96,8 +98,9 @@ async def run_autoscaler(stop: asyncio.Event) -> None:
         try:
             if await asyncio.to_thread(one_pass):
                 request_reconcile()
-        except Exception:
-            logger.exception("autoscaler pass failed")
+            outage.succeeded()
+        except Exception as error:
+            outage.failed(error)
         messages, autoscaler.charted = autoscaler.charted, []
         await publish_decisions(messages)
 
@@ -116,12 +119,16 @@ async def publish_decisions(messages: list[dict[str, Any]]) -> None:
 
 
 async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval: float) -> None:
+    outage = DatabaseOutage("reconcile", logger)
     while not stop.is_set():
         reconcile_requested.clear()
         try:
             await asyncio.to_thread(_one_pass, reconciler)
-        except Exception:
-            logger.exception("reconcile pass failed")
+            outage.succeeded()
+        except Exception as error:
+            # Nothing is changed by a pass that cannot read the database: the replicas run
+            # on, unobserved, and the next pass after the outage picks them up.
+            outage.failed(error)
         # A pass that ended, even in an error, is progress: the liveness check and the
         # Lease's renewal look at this (controlplane/liveness.py).
         liveness.heartbeat.beat("reconcile pass")

@@ -85,11 +85,21 @@ def clear_cache(**kwargs: object) -> None:
 
 def forget_all() -> None:
     """Forget every cached key here (and tell other processes through Redis)."""
+    forget_cached_keys()
+    if settings.REDIS_URL:
+        _bump_version()
+
+
+def forget_cached_keys() -> None:
+    """Forget every cached key of this process."""
     _generation[0] += 1
     _cache.clear()
     _unknown.clear()
-    if settings.REDIS_URL:
-        _bump_version()
+
+
+# A change this process could not tell (Redis was away): told by its watcher once Redis
+# answers again.
+_untold = [False]
 
 
 def _bump_version() -> None:
@@ -97,18 +107,22 @@ def _bump_version() -> None:
 
     try:
         shared(str(settings.REDIS_URL)).incr(KEYS_VERSION_KEY)
-    except Exception:
-        logger.exception("could not tell other gateways that a key changed")
+    except Exception as exc:
+        _untold[0] = True
+        logger.warning("could not tell other gateways that a key changed (%s); they "
+                       "learn it when Redis answers again, or within KEY_CACHE_SECONDS", exc)
 
 
 async def follow_key_changes(connection: Any) -> None:
-    """Clear the cache when another process changed a key (REDIS_URL set)."""
+    """Clear the cache when another process changed a key (REDIS_URL set), and tell a
+    change of this process that Redis could not take when it was made."""
+    if _untold[0]:
+        await connection.incr(KEYS_VERSION_KEY)
+        _untold[0] = False
     version = await connection.get(KEYS_VERSION_KEY)
     if version != _seen_version[0]:
         if _seen_version[0] is not None or version is not None:
-            _generation[0] += 1
-            _cache.clear()
-            _unknown.clear()
+            forget_cached_keys()
         _seen_version[0] = version
 
 
@@ -131,6 +145,12 @@ def _lookup(key_hash: str) -> KeyInfo | None:
                    team_tpm=team.tpm_limit if team else None,
                    expires=record.expires_at.timestamp() if record.expires_at else None,
                    key_hash=key_hash)
+
+
+def knows_valid_keys() -> bool:
+    """Whether this process holds a valid key in its cache (one it can serve while the
+    database is away)."""
+    return bool(_cache)
 
 
 class KeysUnavailable(Exception):

@@ -48,9 +48,13 @@ REFUSED = Counter("fleetplane_gateway_refused_total",
                   "Requests refused before reaching a replica, by reason",
                   ["deployment", "reason"])
 
+USAGE_BUFFERED = Gauge("fleetplane_gateway_usage_records_buffered",
+                       "Usage records waiting to be written to the database (more while it "
+                       "is out of reach; at most 100,000 per event loop)")
 USAGE_DROPPED = Counter("fleetplane_gateway_usage_records_dropped_total",
-                        "Usage records the database refused even written one by one (each "
-                        "is logged with its content)")
+                        "Usage records the database refused even written one by one, or "
+                        "dropped, the oldest first, from a buffer full while the database "
+                        "was out of reach (each is logged with its content)")
 
 
 @functools.lru_cache(maxsize=8192)

@@ -82,6 +82,11 @@ class UsageRecord(models.Model):
 
     at = models.DateTimeField(db_index=True)
     request_id = models.CharField(max_length=REQUEST_ID_MAX_LENGTH)
+    # Made by the gateway for each record (a client may send the same X-Request-Id
+    # twice): a batch written again after a commit whose reply was lost adds each record
+    # once. Empty on records written before it existed.
+    record_id = models.CharField(max_length=32, unique=True, null=True, blank=True,
+                                 editable=False)
     # No database constraint: a record written after its key was deleted must not make
     # the whole batch fail.
     key = models.ForeignKey(ApiKey, on_delete=models.SET_NULL, null=True, blank=True,

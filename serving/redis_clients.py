@@ -13,6 +13,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+# A Redis that stops answering (rather than refusing connections) fails a call within
+# these bounds instead of holding a request or a reconcile pass: the data plane's
+# commands are all quick ones.
+CONNECT_TIMEOUT_SECONDS = 2.0
+TIMEOUT_SECONDS = 5.0
+
 _lock = threading.Lock()
 _clients: dict[str, Any] = {}
 
@@ -26,7 +32,9 @@ def shared(url: str) -> Any:
         with _lock:
             client = _clients.get(url)
             if client is None:
-                client = _clients[url] = redis.Redis.from_url(url)
+                client = _clients[url] = redis.Redis.from_url(
+                    url, socket_connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                    socket_timeout=TIMEOUT_SECONDS)
     return client
 
 
@@ -34,4 +42,5 @@ def for_event_loop(url: str) -> Any:
     """A new asyncio client for `url`, to be kept by the event loop that made it."""
     import redis.asyncio as redis
 
-    return redis.Redis.from_url(url)
+    return redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                                socket_timeout=TIMEOUT_SECONDS)

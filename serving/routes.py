@@ -174,6 +174,7 @@ class RouteStore:
         self._seen = ""  # the last text taken from another process (sealed)
         #: True once a controller in this process has published a table.
         self.publishes_locally = False
+        self._redis_behind = False  # the last write to Redis failed
 
     @property
     def table(self) -> RouteTable:
@@ -181,21 +182,36 @@ class RouteStore:
         return self._table
 
     def publish(self, table: RouteTable, redis_url: str | None = None) -> bool:
-        """Replace the table if it changed; returns whether it did."""
+        """Replace the table if it changed; returns whether it did. With `redis_url`, the
+        table is also written to Redis when it changed, when the last write failed, and
+        when Redis lost it (a restart without persistence): each call, made after every
+        reconcile pass, puts Redis right once it answers."""
         text = table.to_json(sealed=False)
         with self._lock:
             self.publishes_locally = True
-            if text == self._text:
-                return False
-            self._table, self._text = table, text
+            changed = text != self._text
+            if changed:
+                self._table, self._text = table, text
         if redis_url:
-            try:
-                from serving.redis_clients import shared
+            self._write_to_redis(table, redis_url, changed)
+        return changed
 
-                shared(redis_url).set(REDIS_KEY, table.to_json())
-            except Exception:
-                logger.exception("could not publish the route table to Redis")
-        return True
+    def _write_to_redis(self, table: RouteTable, redis_url: str, changed: bool) -> None:
+        from serving.redis_clients import shared
+
+        try:
+            client = shared(redis_url)
+            if changed or self._redis_behind or not client.exists(REDIS_KEY):
+                client.set(REDIS_KEY, table.to_json())
+        except Exception as exc:
+            if not self._redis_behind:
+                logger.warning("could not publish the route table to Redis (%s); gateways "
+                               "in other processes keep the last one until it answers", exc)
+            self._redis_behind = True
+            return
+        if self._redis_behind:
+            logger.warning("the route table is published to Redis again")
+        self._redis_behind = False
 
     def load_json(self, text: str) -> None:
         """Take a table another process published, when it differs from the current one."""

@@ -6,13 +6,23 @@ database refuses is written again row by row, so one bad row costs only itself: 
 still fails is logged with its content and counted in
 `fleetplane_gateway_usage_records_dropped_total`, and the keys' totals count exactly the
 rows written.
+
+While the database cannot be reached the records stay buffered (at most BUFFER_LIMIT per
+event loop, the oldest dropped beyond it, each logged and counted as dropped), and the
+writer tries again with a backoff of at most 30 s. `fleetplane_gateway_usage_records_buffered`
+shows how many wait. Each record carries an id made here (`record_id`, unique in the
+table), and rows are inserted with ON CONFLICT DO NOTHING: a batch written a second time
+(a commit whose reply was lost, so the writer could not know it had landed) adds nothing,
+and the keys' totals count only the rows that were inserted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import uuid
+import weakref
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,6 +35,9 @@ logger = logging.getLogger(__name__)
 FLUSH_AT = 1000
 # Records kept while the database is out of reach; the oldest beyond are dropped.
 BUFFER_LIMIT = 100_000
+# Rows per INSERT statement when a batch is written again (16 parameters each: within
+# the limits of SQLite and PostgreSQL).
+ROWS_PER_STATEMENT = 500
 
 
 @dataclass
@@ -44,6 +57,20 @@ class Usage:
     itl_ms: float | None
     e2e_ms: float
     username: str = ""
+    record_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+_writers: weakref.WeakSet[UsageWriter] = weakref.WeakSet()
+
+
+def records_waiting() -> int:
+    """Records not yet in the database, over every writer of this process (buffered, and
+    in a batch being written): read when /metrics is scraped, so nothing is counted on
+    the hot path."""
+    return sum(len(w.buffer) + w.in_batch for w in list(_writers))
+
+
+metrics.USAGE_BUFFERED.set_function(records_waiting)
 
 
 class UsageWriter:
@@ -53,6 +80,8 @@ class UsageWriter:
         self.wake = asyncio.Event()
         self.unreachable = 0  # flushes in a row that found the database out of reach
         self.writing = 0  # batches being written now (in a worker thread)
+        self.in_batch = 0  # records in those batches
+        _writers.add(self)
 
     def add(self, usage: Usage) -> None:
         self.buffer.append(usage)
@@ -82,32 +111,39 @@ class UsageWriter:
         if not batch:
             return 0
         self.writing += 1
+        self.in_batch += len(batch)
         try:
             written = await sync_to_async(write_batch, thread_sensitive=False)(batch)
+            if self.unreachable:
+                logger.warning("the database is back: wrote %d buffered usage records",
+                               written)
             self.unreachable = 0
             return written
         except StoreUnavailable as exc:
             self.unreachable += 1
-            logger.warning("could not reach the database for %d usage records (%s); "
-                           "keeping them for the next try", len(batch), exc)
+            if self.unreachable == 1:
+                logger.warning("could not reach the database for %d usage records (%s); "
+                               "keeping them (at most %d) and trying again with a backoff",
+                               len(batch), exc, BUFFER_LIMIT)
             self.buffer = batch + self.buffer
             over = len(self.buffer) - BUFFER_LIMIT
             if over > 0:
                 for usage in self.buffer[:over]:
-                    _drop(usage)
+                    _drop(usage, "the buffer is full while the database is out of reach")
                 del self.buffer[:over]
         except Exception:
             logger.exception("could not write %d usage records", len(batch))
             for usage in batch:
-                _drop(usage)
+                _drop(usage, "it could not be written")
         finally:
             self.writing -= 1
+            self.in_batch -= len(batch)
         return 0
 
 
 COLUMNS = ("at", "request_id", "key_id", "model", "deployment", "replica", "status", "stream",
            "prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "itl_ms", "e2e_ms",
-           "username")
+           "username", "record_id")
 
 
 class StoreUnavailable(Exception):
@@ -131,10 +167,12 @@ def write_batch(batch: list[Usage]) -> int:
     close_old_connections()
     rows = [_row(u, connection) for u in batch]
     try:
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.executemany(_insert_sql(connection), rows)
-            _add_to_key_totals(cursor, batch, connection)
-        return len(batch)
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                return _write_new(cursor, connection, batch, rows)
+        except _WrittenBefore:  # rolled back: which rows are new is sorted out row by row
+            with transaction.atomic(), connection.cursor() as cursor:
+                return _write_the_rest(cursor, connection, batch, rows)
     except (OperationalError, InterfaceError) as exc:
         raise StoreUnavailable(str(exc)) from exc
     except (DatabaseError, ValueError, OverflowError):
@@ -147,13 +185,12 @@ def write_batch(batch: list[Usage]) -> int:
             for usage, row in zip(batch, rows, strict=True):
                 try:
                     with transaction.atomic():
-                        cursor.execute(_insert_sql(connection), row)
+                        if _insert(cursor, connection, [row]):
+                            written.append(usage)  # else already written: not again
                 except (OperationalError, InterfaceError):
                     raise
                 except (DatabaseError, ValueError, OverflowError):
                     dropped.append(usage)
-                else:
-                    written.append(usage)
             _add_to_key_totals(cursor, written, connection)
     except (OperationalError, InterfaceError) as exc:
         raise StoreUnavailable(str(exc)) from exc
@@ -162,18 +199,54 @@ def write_batch(batch: list[Usage]) -> int:
     return len(written)
 
 
-def _drop(usage: Usage) -> None:
+def _drop(usage: Usage, why: str = "the database refuses it") -> None:
     metrics.USAGE_DROPPED.inc()
-    logger.error("dropped a usage record the database refuses: %r", usage)
+    logger.error("dropped a usage record (%s): %r", why, usage)
 
 
-def _insert_sql(connection: Any) -> str:
+class _WrittenBefore(Exception):
+    """Some rows of the batch are in the table already (a batch written again)."""
+
+
+def _write_new(cursor: Any, connection: Any, batch: list[Usage],
+               rows: list[tuple[Any, ...]]) -> int:
+    """The common case, in one statement: every row is new (else _WrittenBefore)."""
     from serving.models import UsageRecord
 
-    table = connection.ops.quote_name(UsageRecord._meta.db_table)
-    columns = ", ".join(connection.ops.quote_name(c) for c in COLUMNS)
-    placeholders = ", ".join(["%s"] * len(COLUMNS))
-    return f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"
+    q = connection.ops.quote_name
+    cursor.executemany(
+        f"INSERT INTO {q(UsageRecord._meta.db_table)} ({', '.join(q(c) for c in COLUMNS)}) "
+        f"VALUES ({', '.join(['%s'] * len(COLUMNS))}) "
+        f"ON CONFLICT ({q('record_id')}) DO NOTHING", rows)
+    if cursor.rowcount != len(rows):
+        raise _WrittenBefore
+    _add_to_key_totals(cursor, batch, connection)
+    return len(rows)
+
+
+def _write_the_rest(cursor: Any, connection: Any, batch: list[Usage],
+                    rows: list[tuple[Any, ...]]) -> int:
+    """A batch written again: the rows not in the table yet, and their keys' totals."""
+    inserted: set[str] = set()
+    for start in range(0, len(rows), ROWS_PER_STATEMENT):
+        inserted |= _insert(cursor, connection, rows[start:start + ROWS_PER_STATEMENT])
+    _add_to_key_totals(cursor, [u for u in batch if u.record_id in inserted], connection)
+    return len(inserted)
+
+
+def _insert(cursor: Any, connection: Any, rows: list[tuple[Any, ...]]) -> set[str]:
+    """Insert the rows whose record id is not in the table yet (SQLite and PostgreSQL
+    both speak ON CONFLICT ... DO NOTHING and RETURNING); returns the ids inserted."""
+    from serving.models import UsageRecord
+
+    q = connection.ops.quote_name
+    one = "(" + ", ".join(["%s"] * len(COLUMNS)) + ")"
+    cursor.execute(
+        f"INSERT INTO {q(UsageRecord._meta.db_table)} ({', '.join(q(c) for c in COLUMNS)}) "
+        f"VALUES {', '.join([one] * len(rows))} "
+        f"ON CONFLICT ({q('record_id')}) DO NOTHING RETURNING {q('record_id')}",
+        [value for row in rows for value in row])
+    return {record_id for (record_id,) in cursor.fetchall()}
 
 
 def _row(u: Usage, connection: Any) -> tuple[Any, ...]:
@@ -182,7 +255,8 @@ def _row(u: Usage, connection: Any) -> tuple[Any, ...]:
     at = connection.ops.adapt_datetimefield_value
     return (at(datetime.fromtimestamp(u.at, UTC)), u.request_id, u.key_id, u.model,
             u.deployment, u.replica, u.status, u.stream, u.prompt_tokens,
-            u.completion_tokens, u.queue_ms, u.ttft_ms, u.itl_ms, u.e2e_ms, u.username)
+            u.completion_tokens, u.queue_ms, u.ttft_ms, u.itl_ms, u.e2e_ms, u.username,
+            u.record_id)
 
 
 def _add_to_key_totals(cursor: Any, written: list[Usage], connection: Any) -> None:

@@ -11,6 +11,7 @@ import orjson
 logger = logging.getLogger(__name__)
 
 FLEET_GROUP = "dashboard.fleet"
+_failing = [False]  # the last publication failed
 
 
 def deployment_group(name: str) -> str:
@@ -34,5 +35,13 @@ async def publish(fleet: dict[str, Any], updates: dict[str, dict[str, Any]]) -> 
             await layer.group_send(deployment_group(name),
                                    {"type": "dashboard.message",
                                     "text": orjson.dumps(update).decode()})
-    except Exception:
-        logger.exception("publishing dashboard updates failed")
+    except Exception as error:
+        # Once per outage of the channel layer (Redis), not a traceback every pass.
+        if not _failing[0]:
+            logger.warning("publishing dashboard updates failed (%s); the dashboards get "
+                           "no updates until it works again", error, exc_info=True)
+        _failing[0] = True
+        return
+    if _failing[0]:
+        logger.warning("dashboard updates are published again")
+    _failing[0] = False

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import cast
 
 from django.conf import settings
+from django.db import DatabaseError
 from django.db.models import F
 from django.utils import timezone
 
@@ -197,7 +198,13 @@ class ReplicaReconciler:
         replica.phase = Replica.Phase.STARTING
         replica.started_at, replica.ready_at, replica.next_restart_at = now, None, None
         replica.last_health_at = None
-        replica.save()
+        try:
+            replica.save()
+        except DatabaseError:
+            # The server runs but no record says so (the database went away mid-pass):
+            # it is stopped, or the pass after the outage would start a second one.
+            backend.stop(replica, force=True)
+            raise
         event(deployment, "replica-started",
               f"{replica.name} started (pid {replica.pid}, {replica.endpoint})", replica=replica)
         return True

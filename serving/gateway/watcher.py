@@ -16,7 +16,7 @@ from django.conf import settings
 from serving import metrics
 from serving.engine_metrics import requests_in_system
 from serving.gateway.resources import Resources
-from serving.keys import authenticate_hash, follow_key_changes
+from serving.keys import authenticate_hash, follow_key_changes, forget_cached_keys
 from serving.routes import REDIS_KEY, RouteReplica, replica_auth, routes
 from serving.upstream import UpstreamError
 
@@ -25,13 +25,11 @@ logger = logging.getLogger("serving.gateway")
 
 async def watch_load(resources: Resources) -> None:
     """Run the watcher's pass for the life of the event loop."""
+    redis_away = False
     while True:
         try:
             resources.follow_settings()
-            if resources.redis is not None:
-                await follow_key_changes(resources.redis)
-                if not routes.publishes_locally:
-                    await load_routes_from_redis(resources.redis)
+            redis_away = await follow_redis(resources, redis_away)
             await scrape_load(resources)
             refresh_capacity(resources)
         except Exception:
@@ -41,6 +39,32 @@ async def watch_load(resources: Resources) -> None:
         except Exception:
             logger.exception("could not check the keys of running streams")
         await asyncio.sleep(settings.GATEWAY_LOAD_SCRAPE_SECONDS)
+
+
+async def follow_redis(resources: Resources, away: bool) -> bool:
+    """Take key changes and (without a controller here) the route table from Redis;
+    returns whether Redis is out of reach. While it is, this process serves with the
+    table and keys it knows (keys are still read again from the database within
+    KEY_CACHE_SECONDS). When it answers again every cached key is forgotten, since a
+    change told meanwhile was lost, and the route table is read: both within one
+    GATEWAY_LOAD_SCRAPE_SECONDS."""
+    if resources.redis is None:
+        return False
+    try:
+        await follow_key_changes(resources.redis)
+        if not routes.publishes_locally:
+            await load_routes_from_redis(resources.redis)
+    except Exception as exc:
+        if not away:
+            logger.warning("Redis is out of reach (%s): serving with the route table and "
+                           "keys known; keys with rate limits get 503 until it answers",
+                           exc)
+        return True
+    if away:
+        forget_cached_keys()
+        logger.warning("Redis answers again: key changes and the route table are followed "
+                       "again")
+    return False
 
 
 async def end_streams_of_revoked_keys(resources: Resources) -> None:

@@ -147,8 +147,13 @@ def test_the_gateway_is_ready_and_live_with_its_database() -> None:
     assert client.get("/healthz").status_code == 200
 
 
-def test_without_its_database_the_gateway_is_live_but_not_ready(
+def test_without_its_database_a_gateway_holding_nothing_is_live_but_not_ready(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving import keys
+    from serving.routes import RouteTable, routes
+
+    monkeypatch.setattr(keys, "_cache", {})
+    monkeypatch.setattr(routes, "_table", RouteTable())
     unreachable_database(monkeypatch)
     client = Client(raise_request_exception=False)
     live = client.get("/livez")
@@ -160,6 +165,28 @@ def test_without_its_database_the_gateway_is_live_but_not_ready(
         assert answer.json() == {"status": "unavailable", "detail": "the database does not "
                                  "answer (the server's log says why)"}
         assert "postgres" not in answer.content.decode()  # no details for anonymous callers
+
+
+def test_without_its_database_a_gateway_holding_keys_and_routes_stays_ready_degraded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # It serves those from memory: the whole fleet must not leave the Service at once.
+    from serving import keys
+    from serving.routes import DeploymentRoutes, RouteReplica, RouteTable, build_table, routes
+
+    known = keys.KeyInfo(1, "app", "inference", ())
+    monkeypatch.setattr(keys, "_cache", {"hash": (known, time.monotonic())})
+    monkeypatch.setattr(routes, "_table", build_table([DeploymentRoutes(
+        deployment="chat", served_model_name="chat", policy="least-load",
+        max_model_len=2048, replicas=(RouteReplica("chat-1", "http://127.0.0.1:9"),),
+        names=("chat",))]))
+    unreachable_database(monkeypatch)
+    answer = Client(raise_request_exception=False).get("/readyz")
+    assert answer.status_code == 200
+    assert answer.json() == {"status": "degraded", "detail": "the database does not answer "
+                             "(the server's log says why); serving the keys and routes "
+                             "known"}
+    monkeypatch.setattr(routes, "_table", RouteTable())  # nothing to route: not ready
+    assert Client(raise_request_exception=False).get("/readyz").status_code == 503
 
 
 def test_a_hung_database_does_not_hold_up_the_gateways_liveness(

@@ -59,3 +59,77 @@ def test_a_row_the_database_refuses_costs_only_itself(
         2, 40, 8)
     assert metrics.USAGE_DROPPED._value.get() == dropped_before + 1
     assert "request_id='refused'" in caplog.text
+
+
+def test_a_batch_written_again_adds_each_record_and_its_tokens_once() -> None:
+    # As after a commit whose reply was lost: the writer cannot know the rows landed.
+    make_api_key(ApiKey.Scope.INFERENCE)
+    key = ApiKey.objects.get()
+    batch = [usage("same-id", key.pk, 10), usage("same-id", key.pk, 20)]
+    assert write_batch(batch) == 2  # two requests sharing a client's X-Request-Id
+    assert write_batch(batch) == 0
+    assert write_batch([*batch, usage("new", key.pk, 5)]) == 1
+    assert UsageRecord.objects.count() == 3
+    key.refresh_from_db()
+    assert (key.requests_total, key.prompt_tokens_total) == (3, 35)
+
+
+def test_a_refused_batch_written_again_row_by_row_skips_the_rows_already_there() -> None:
+    make_api_key(ApiKey.Scope.INFERENCE)
+    key = ApiKey.objects.get()
+    landed = usage("landed", key.pk, 10)
+    assert write_batch([landed]) == 1
+    assert write_batch([landed, usage("refused", key.pk, -1), usage("new", key.pk, 7)]) == 1
+    key.refresh_from_db()
+    assert (key.requests_total, key.prompt_tokens_total) == (2, 17)
+
+
+def test_records_wait_in_a_bounded_buffer_while_the_database_is_out_of_reach(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from prometheus_client import generate_latest
+
+    from serving import usage as usage_module
+
+    def unreachable(batch: list[Usage]) -> int:
+        raise usage_module.StoreUnavailable("connection refused")
+
+    monkeypatch.setattr(usage_module, "BUFFER_LIMIT", 3)
+    dropped_before = metrics.USAGE_DROPPED._value.get()
+
+    def buffered() -> float:  # as /metrics shows it
+        line = next(line for line in generate_latest().decode().splitlines()
+                    if line.startswith("fleetplane_gateway_usage_records_buffered "))
+        return float(line.split()[1])
+
+    async def five_records_then_flush() -> list[str]:
+        elsewhere = buffered()  # other gateways' writers in this test process
+        writer = usage_module.UsageWriter()
+        for n in range(5):
+            writer.buffer.append(usage(f"r{n}", 1, n))
+        monkeypatch.setattr(usage_module, "write_batch", unreachable)
+        assert await writer.flush() == 0
+        assert buffered() == elsewhere + 3
+        monkeypatch.undo()
+        assert await writer.flush() == 3
+        assert buffered() == elsewhere
+        return [u.request_id for u in writer.buffer]
+
+    assert asyncio.run(five_records_then_flush()) == []
+    # The oldest two went; the newest three were written once the database answered.
+    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == [
+        "r2", "r3", "r4"]
+    assert metrics.USAGE_DROPPED._value.get() == dropped_before + 2
+
+
+def test_a_large_batch_written_again_adds_only_its_new_records() -> None:
+    # Larger than one INSERT statement's rows: the records after an outage come in one.
+    make_api_key(ApiKey.Scope.INFERENCE)
+    key = ApiKey.objects.get()
+    landed = [usage(f"r{n}", key.pk, 1) for n in range(1200)]
+    assert write_batch(landed) == 1200
+    assert write_batch([*landed, *(usage(f"new{n}", key.pk, 2) for n in range(5))]) == 5
+    assert UsageRecord.objects.count() == 1205
+    key.refresh_from_db()
+    assert (key.requests_total, key.prompt_tokens_total) == (1205, 1210)

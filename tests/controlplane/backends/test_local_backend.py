@@ -218,3 +218,46 @@ def test_a_replica_gets_tensor_times_pipeline_parallel_gpus() -> None:
     devices, env = backend._placement(deployment, replica)
     assert devices == "gpu:0,1,2,3"
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+def test_a_replica_started_whose_record_cannot_be_written_is_stopped_not_doubled(
+        tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The database goes away between a replica's start and its record: the server is
+    stopped, and the pass after the outage starts one server for the replica, not two."""
+    from django.db import OperationalError
+
+    from controlplane.backends.local import owned_processes
+    from controlplane.reconciler import Reconciler
+
+    settings.DATA_DIR = tmp_path / "data"
+    python = stand_in_python(tmp_path)
+    settings.LOCAL_BACKEND_PYTHONS = [python]
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    make_deployment("chat", model=make_model("fake", path=str(weights)), replicas=1,
+                    backend=make_backend("fakes", "local", {"python": python}))
+    reconciler = Reconciler()
+    reconciler.reconcile_all()  # the replica's record, pending
+    save = Replica.save
+
+    def database_gone(replica: Replica, *args: Any, **kwargs: Any) -> None:
+        if replica.phase == Replica.Phase.STARTING:
+            raise OperationalError("server closed the connection unexpectedly")
+        save(replica, *args, **kwargs)
+
+    def running() -> set[tuple[int, str]]:
+        return {(p.pid, name) for p, name in owned_processes(str(settings.DATA_DIR))
+                if p.status() != "zombie"}
+
+    try:
+        monkeypatch.setattr(Replica, "save", database_gone)
+        result = reconciler.reconcile_all()
+        assert result.errors, "the pass did not meet the outage"
+        wait_for("the unrecorded server stopped", lambda: not running(), 15)
+        monkeypatch.undo()
+        for _ in range(3):
+            reconciler.reconcile_all()
+        replica = Replica.objects.get()
+        assert running() == {(replica.pid, replica.name)}
+    finally:
+        end_replicas(str(settings.DATA_DIR))
