@@ -52,6 +52,8 @@ class ReplicaReconciler:
         self.known: set[int] = set()
         self.observations: dict[int, Observation] = {}
         self.probed: set[int] = set()
+        # When this reconciler first saw each draining replica (monotonic seconds).
+        self.draining_since: dict[int, float] = {}
 
     # --- once per pass ---------------------------------------------------------------
 
@@ -299,7 +301,8 @@ class ReplicaReconciler:
         """Wait for the streams in flight (up to the deadline), stop, then force after a grace."""
         if replica.stop_requested_at is None:
             deadline = replica.drain_deadline or now
-            if now < deadline and self.still_busy(backend, replica):
+            if now < deadline and (self.routes_settling(replica)
+                                   or self.still_busy(backend, replica)):
                 return False
             backend.stop(replica, force=False)
             return save(replica, stop_requested_at=now)
@@ -309,6 +312,16 @@ class ReplicaReconciler:
         if now - replica.stop_requested_at > timedelta(seconds=settings.STOP_GRACE_SECONDS):
             backend.stop(replica, force=True)
         return False
+
+    def routes_settling(self, replica: Replica) -> bool:
+        """Gateways in other processes read the route table from Redis every
+        GATEWAY_LOAD_SCRAPE_SECONDS: a replica leaving routing is not stopped before they
+        have all read the table without it (twice that interval after it began to drain),
+        so none sends it a request it would refuse. One process alone reads it at once."""
+        if not settings.REDIS_URL:
+            return False
+        since = self.draining_since.setdefault(replica.pk, time.monotonic())
+        return time.monotonic() - since < 2 * settings.GATEWAY_LOAD_SCRAPE_SECONDS
 
     @staticmethod
     def still_busy(backend: ReplicaBackend, replica: Replica) -> bool:
@@ -393,6 +406,7 @@ class ReplicaReconciler:
         Replica.objects.filter(pk__in=stopped).delete()
         for pk in stopped:
             self.last_probe.pop(pk, None)
+            self.draining_since.pop(pk, None)
             self.known.discard(pk)
         return True
 

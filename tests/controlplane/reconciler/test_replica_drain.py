@@ -76,3 +76,19 @@ def test_an_idle_replica_is_stopped_at_once(
     assert backend.in_flight(replica) == 0
     assert ReplicaReconciler().drain(deployment, backend, replica, timezone.now()) is True
     assert replica.stop_requested_at is not None
+
+
+def test_with_gateways_in_other_processes_an_idle_replica_waits_until_they_read_the_routes(
+        draining: tuple[LocalBackend, Deployment, Replica], settings: Any) -> None:
+    backend, deployment, replica = draining
+    settings.REDIS_URL = "redis://127.0.0.1:6379/0"  # gateways elsewhere read the routes
+    settings.GATEWAY_LOAD_SCRAPE_SECONDS = 0.5
+    reconciler = ReplicaReconciler()
+    began = time.monotonic()
+    assert reconciler.drain(deployment, backend, replica, timezone.now()) is False
+    assert backend.in_flight(replica) == 0 and replica.stop_requested_at is None
+    while not reconciler.drain(deployment, backend, replica, timezone.now()):
+        assert time.monotonic() - began < 30, "the idle replica was never stopped"
+        time.sleep(0.05)
+    assert time.monotonic() - began >= 2 * settings.GATEWAY_LOAD_SCRAPE_SECONDS
+    assert replica.stop_requested_at is not None
