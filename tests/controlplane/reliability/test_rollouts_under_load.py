@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.controlplane.reliability.traffic import private_redis, running_fleet, wait_until
+from tests.controlplane.reliability.traffic import running_fleet, wait_until
 from tests.processes import Api
+from tests.services import private_redis
 
 pytestmark = pytest.mark.slow
 
@@ -104,8 +105,8 @@ def test_a_drain_past_its_deadline_ends_the_streams_left_with_an_sse_error(
 def test_a_rolling_restart_fails_no_request_through_a_gateway_in_another_process(
         tmp_path: Path) -> None:
     # The other gateway learns the route table through Redis, a moment after the controller.
-    with private_redis() as redis_url, running_fleet(
-            tmp_path, TOKEN_INTERVAL_MS, gateways_beside=1, REDIS_URL=redis_url) as fleet:
+    with private_redis() as redis, running_fleet(
+            tmp_path, TOKEN_INTERVAL_MS, gateways_beside=1, REDIS_URL=redis.url) as fleet:
         fleet.deploy("chat", 2)
         [gateway] = fleet.gateways
         wait_until("the other gateway routing both replicas", lambda: any(

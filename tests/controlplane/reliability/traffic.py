@@ -5,10 +5,7 @@ to its end and judged as a user's client would."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -175,29 +172,6 @@ class Fleet:
         line = next(line for line in text.splitlines()
                     if line.startswith("vllm:num_requests_running"))
         return float(line.rsplit(" ", 1)[1])
-
-
-@contextmanager
-def private_redis() -> Iterator[str]:
-    """A redis-server of the test's own on a free port (nothing saved), so no other test's
-    route table or keys share it; its URL."""
-    port = free_port()
-    process = subprocess.Popen(["redis-server", "--port", str(port), "--save", "",
-                                "--appendonly", "no", "--bind", "127.0.0.1"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until("the private Redis", lambda: _answers(port), 10, 0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.kill()
-        process.wait(timeout=10)
-
-
-def _answers(port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1) as sock:
-        sock.sendall(b"PING\r\n")
-        return sock.recv(16).startswith(b"+PONG")
-    return False
 
 
 @contextmanager
