@@ -19,6 +19,14 @@ BATCH = PriorityClass("batch", 20, 100, 30)
 SHARED_BATCH = PriorityClass("batch", 20, 100, 30, share=0.75)
 
 
+async def until(check: Any, what: str) -> None:
+    """Let the waiting tasks run until `check()` holds (bounded)."""
+    deadline = asyncio.get_running_loop().time() + 5
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.001)
+
+
 async def enter(admission: Admission, name: str, priority: PriorityClass,
                 log: list[str], capacity: int = 1) -> None:
     await admission.acquire("demo|all", capacity, priority)
@@ -51,14 +59,13 @@ def test_batch_never_fills_the_headroom_an_urgent_request_takes_at_once() -> Non
         admission, log = Admission(), list[str]()
         batch = [asyncio.create_task(enter(admission, f"batch-{n}", SHARED_BATCH, log, 4))
                  for n in range(5)]
-        await asyncio.sleep(0.01)
+        await until(lambda: admission.lane("demo|all").waiting() == 2, "two to wait")
         assert log == ["batch-0", "batch-1", "batch-2"]  # 3 of 4 slots: the rest waits
         ticket = await admission.acquire("demo|all", 4, CRITICAL)
         log.append("critical")
         busy = admission.lane("demo|all").busy
-        for _ in range(3):
+        for _ in range(3):  # each release lets in the next waiter the share allows
             admission.release("demo|all")
-            await asyncio.sleep(0.01)
         await asyncio.gather(*batch)
         assert ticket.position == 0 and ticket.waited == 0
         return log, busy
@@ -140,9 +147,9 @@ def test_a_client_that_leaves_frees_its_place_and_new_capacity_is_used() -> None
         await admission.acquire("demo|all", 1, STANDARD)
         gone = asyncio.create_task(enter(admission, "gone", CRITICAL, log))
         stays = asyncio.create_task(enter(admission, "stays", BATCH, log))
-        await asyncio.sleep(0.01)
+        await until(lambda: admission.lane("demo|all").waiting() == 2, "both to wait")
         gone.cancel()
-        await asyncio.sleep(0.01)
+        await until(gone.done, "the client to leave")
         assert admission.queued("demo") == {"batch": 1}
         admission.set_capacity("demo|all", 2)  # a replica joined: the waiter goes in
         await asyncio.wait_for(stays, 1)
