@@ -6,6 +6,7 @@ place or its slot."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -172,3 +173,21 @@ def test_priority_classes_are_read_strictly() -> None:
                         ('{"no good": {"level": 1}}', "identifier")):
         with pytest.raises(ValueError, match=error):
             parse_classes(text)
+
+
+def test_a_lane_that_never_queues_keeps_only_its_rate_window_of_finished_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving import admission as module
+
+    clock = [1000.0]  # the admission module's clock only; the event loop keeps its own
+    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    async def run() -> int:
+        admission = Admission()
+        for _ in range(500):  # never a waiter: no estimate is ever asked for
+            await admission.acquire("demo|all", 8, STANDARD)
+            admission.release("demo|all")
+            clock[0] += 1.0
+        return len(admission.lane("demo|all").finished)
+
+    assert asyncio.run(run()) == module.RATE_WINDOW + 1
