@@ -26,6 +26,7 @@ the line); no answer with a 5xx status and no failed exchange (a stream or a soc
 ended in an error where none was expected).
 
     .venv/bin/python bench/soak.py [--minutes 20] [--workers 6] [--sample-seconds 10]
+                                   [--env NAME=VALUE]
 """
 
 from __future__ import annotations
@@ -332,8 +333,11 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=20)
     parser.add_argument("--workers", type=int, default=6)
     parser.add_argument("--sample-seconds", type=float, default=10)
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the server under test")
     options = parser.parse_args()
-    product = ControlPlane(SCRAPE_INTERVAL="2")
+    extra_env = dict(item.split("=", 1) for item in options.env)
+    product = ControlPlane(**{"SCRAPE_INTERVAL": "2", **extra_env})
     engines: list[subprocess.Popen[bytes]] = []
     tally = Tally()
     try:
