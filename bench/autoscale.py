@@ -1,7 +1,8 @@
 """Autoscaling with and without a warm standby, on the local backend with real vLLM CPU
 replicas of the demo model (min 1, max 2): a step from nothing to 32 concurrent streams.
 
-For each case (standby 1, then standby 0) the control plane runs as `manage.py serve`
+For each case (standby 1, then standby 0; with --runs N the two alternate, run by run)
+the control plane runs as `manage.py serve`
 (reconciler, collector every 2 s, autoscaler, gateway); the policy scales on the gateway's
 requests in flight per replica (target 8: 32 streams ask for 4, bounded to 2). Measured:
 the time from the step to the scale-up decision (the `autoscaled` event), from the
@@ -9,7 +10,7 @@ decision to the second replica serving (its own request counter moving under sho
 requests sent through the gateway every 0.25 s from the decision on), and the TTFT of
 the streams during the step.
 
-    .venv/bin/python bench/autoscale.py [--streams 32] [--only standby|cold]
+    .venv/bin/python bench/autoscale.py [--streams 32] [--only standby|cold] [--runs N]
                                         [--cores-per-replica N]
 
 With --cores-per-replica the replicas run on a local backend that gives each its own
@@ -17,7 +18,7 @@ cores (`cpu_cores_per_replica`), as a CPU fleet would be laid out: the promoted 
 then has a core the loaded replica does not use.
 
 Targets: the decision within 2 scrape intervals (4 s); with a standby, serving under 1 s
-after the decision. The last line prints the standby case's decision-to-serving time.
+after the decision. The last line prints the standby case's decision-to-serving times.
 """
 
 from __future__ import annotations
@@ -253,6 +254,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--only", choices=("standby", "cold"), default="")
+    parser.add_argument("--runs", type=int, default=1, help="runs of each case, alternated")
     parser.add_argument("--cores-per-replica", type=int, default=0, metavar="N",
                         help="run the replicas on a local backend that binds N cores to "
                              "each (cpu_cores_per_replica), instead of letting them share")
@@ -271,14 +273,18 @@ def main() -> None:
                     "cpu_cores_per_replica": options.cores_per_replica, "kv_cache_gib": 1}})
             if response.status_code != 201:
                 raise SystemExit(f"creating the backend: {response.text}")
-        results = {}
-        if options.only != "cold":
-            results["standby"] = case(product, "warm", 1, options.streams, backend)
-            print(f"with a standby: {results['standby']}")
-        if options.only != "standby":
-            results["cold"] = case(product, "cold", 0, options.streams, backend)
-            print(f"without a standby: {results['cold']}")
-        for label, figures in results.items():
+        results: list[tuple[str, dict[str, float]]] = []
+        cases = [("standby", 1), ("cold", 0)]
+        cases = [(label, standby) for label, standby in cases if options.only in ("", label)]
+        # With both cases, they alternate run by run (standby, cold, standby, cold ...),
+        # so both see the same machine.
+        for run in range(1, options.runs + 1):
+            for label, standby in cases:
+                name = f"{'warm' if standby else 'cold'}-{run}"
+                figures = case(product, name, standby, options.streams, backend)
+                results.append((label, figures))
+                print(f"{'with' if standby else 'without'} a standby (run {run}): {figures}")
+        for label, figures in results:
             steps = (f", of which decision -> promoted/ready {figures['promotion_s']:.2f} s "
                      f"and then -> serving {figures['promotion_to_served_s']:.2f} s"
                      if "promotion_s" in figures else "")
@@ -290,9 +296,10 @@ def main() -> None:
                   f"serving {figures['serving_s']:.2f} s{steps}; streams' TTFT p50 "
                   f"{figures['ttft_p50_s']:.2f} s, p95 {figures['ttft_p95_s']:.2f} s "
                   f"({figures['requests']:.0f} requests)")
-        if "standby" in results:
-            print(f"scale-up with a warm standby: decision -> serving "
-                  f"{results['standby']['serving_s']:.2f} s")
+        warm = [figures["serving_s"] for label, figures in results if label == "standby"]
+        if warm:
+            print("scale-up with a warm standby: decision -> serving "
+                  + ", ".join(f"{seconds:.2f}" for seconds in warm) + " s")
     finally:
         stop_server(product.process)
         end_replicas(product.env["DATA_DIR"])

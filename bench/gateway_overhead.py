@@ -6,6 +6,8 @@ by side, in one run.
 - unpaced: the fake engine as fast as it can, 64 streams: the throughput ratio;
 - with --vllm: the real vLLM CPU server with the demo model, 1 and 32 streams.
 
+Direct and gateway runs alternate round by round (direct, gateway, direct, gateway ...).
+
 The gateway is the product itself (`manage.py serve`, controllers included) with the engine
 registered as an external deployment. Everything runs on this machine: engine, gateway and
 load client share its cores.
@@ -117,8 +119,16 @@ def compare(label: str, direct_url: str, gateway_url: str, model: str, streams: 
     # Warm both paths at the measured concurrency, so both measure warm connection pools.
     asyncio.run(load(direct_url, model, streams, 8, None, 1))
     asyncio.run(load(gateway_url, model, streams, 8, key, 1))
-    direct = asyncio.run(load(direct_url, model, streams, tokens, None, rounds))
-    through = asyncio.run(load(gateway_url, model, streams, tokens, key, rounds))
+    # Interleaved round by round (direct, gateway, direct, gateway ...), so both paths
+    # see the same machine: on shared cores the machine's speed drifts within minutes.
+    direct, through = Run([], 0, 0.0, 0), Run([], 0, 0.0, 0)
+    for _ in range(rounds):
+        for total, url, with_key in ((direct, direct_url, None), (through, gateway_url, key)):
+            run = asyncio.run(load(url, model, streams, tokens, with_key, 1))
+            total.ttfts += run.ttfts
+            total.tokens += run.tokens
+            total.seconds += run.seconds
+            total.errors += run.errors
     print(f"{label}: {streams} streams x {tokens} tokens | direct TTFT p50 "
           f"{direct.p(0.5):.2f} ms p99 {direct.p(0.99):.2f} ms, {direct.rate:,.0f} tok/s | "
           f"gateway TTFT p50 {through.p(0.5):.2f} ms p99 {through.p(0.99):.2f} ms, "

@@ -6,11 +6,12 @@ answer (0.4 s each: about 20 answers per second); the deployment lets the gatewa
 it 8 at a time (`admission.replica_concurrency`). Batch-class traffic arrives at twice
 that rate (40 streamed requests per second, open loop) while a critical-class client sends
 one streamed request after another. Measured: the critical requests' time to first token
-(client side, to the first content chunk), alone (unloaded), then under the batch load
-with the priority queue (the default classes), then under the same load with plain FIFO
-(every class at one level, sharing every slot).
+(client side, to the first content chunk), alone (unloaded), under the batch load
+with the priority queue (the default classes), and under the same load with plain FIFO
+(every class at one level, sharing every slot): two servers side by side before the same
+engine, the three cases interleaved round by round (unloaded, priority, FIFO; again).
 
-    .venv/bin/python bench/priority.py [--seconds 60]
+    .venv/bin/python bench/priority.py [--seconds 60] [--rounds 2]
 
 Target: the critical p99 TTFT under load within 2x of its unloaded value. The last line
 prints the ratio with the priority queue.
@@ -26,7 +27,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -157,38 +157,49 @@ def describe(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--seconds", type=float, default=60.0,
+                        help="loaded seconds per case, split over the rounds")
+    parser.add_argument("--rounds", type=int, default=2)
     options = parser.parse_args()
     port = free_port()
     engine = subprocess.Popen([sys.executable, "-m", "fakes.engine", "--port", str(port),
                                "--model", "chat", "--token-interval-ms", str(TOKEN_MS),
                                "--max-running", str(MAX_RUNNING)], cwd=ROOT)
     engine_url = f"http://127.0.0.1:{port}"
-    results: dict[str, Any] = {}
+    results: dict[str, list[float]] = {"unloaded": [], "priority": [], "fifo": []}
+    products: dict[str, ControlPlane] = {}
     try:
         wait_healthy(engine_url, 30, engine)
         for case, classes in (("priority", None), ("fifo", FIFO)):
             extra = {"PRIORITY_CLASSES": json.dumps(classes)} if classes else {}
-            product = ControlPlane(**extra)
-            try:
-                deploy(product, engine_url)
-                batch_key, critical_key = keys(product)
-                if case == "priority":
-                    unloaded = asyncio.run(critical_stream(product.url, critical_key, 20))
-                    results["unloaded"] = unloaded
-                    print(f"unloaded critical TTFT: {describe(unloaded)}", flush=True)
+            products[case] = ControlPlane(**extra)
+            deploy(products[case], engine_url)
+        made = {case: keys(product) for case, product in products.items()}
+        seconds = options.seconds / options.rounds
+        # Interleaved round by round (unloaded, priority, FIFO; again), so that all three
+        # see the same machine: the two servers share the engine and the cores.
+        for round_number in range(1, options.rounds + 1):
+            unloaded = asyncio.run(critical_stream(products["priority"].url,
+                                                   made["priority"][1], 20 / options.rounds))
+            results["unloaded"] += unloaded
+            print(f"round {round_number}: unloaded critical TTFT: {describe(unloaded)}",
+                  flush=True)
+            for case, product in products.items():
+                batch_key, critical_key = made[case]
                 critical, counts = asyncio.run(loaded(product.url, batch_key, critical_key,
-                                                      options.seconds))
-                results[case] = critical
-                print(f"{case}: batch {counts['sent']} sent at {BATCH_RATE:.0f}/s, "
-                      f"{counts['answered']} answered in the {counts['seconds']} s run "
-                      f"({counts['answered'] / counts['seconds']:.1f}/s); critical TTFT "
-                      f"under load: {describe(critical)}", flush=True)
-            finally:
-                product.stop()
+                                                      seconds))
+                results[case] += critical
+                print(f"round {round_number}: {case}: batch {counts['sent']} sent at "
+                      f"{BATCH_RATE:.0f}/s, {counts['answered']} answered in the "
+                      f"{counts['seconds']} s run ({counts['answered'] / counts['seconds']:.1f}"
+                      f"/s); critical TTFT under load: {describe(critical)}", flush=True)
     finally:
+        for product in products.values():
+            product.stop()
         engine.terminate()
         engine.wait(timeout=10)
+    for case, values in results.items():
+        print(f"{case}, all rounds: critical TTFT {describe(values)}")
     base = percentile(results["unloaded"], 99)
     with_queue = percentile(results["priority"], 99)
     fifo = percentile(results["fifo"], 99)

@@ -242,7 +242,12 @@ class Admission:
         lane = self.lane(name)
         lane.busy = max(0, lane.busy - 1)
         if finished:
-            lane.finished.append(time.monotonic())
+            now = time.monotonic()
+            lane.finished.append(now)
+            # Trimmed here too, not only when an estimate is asked for: a lane that never
+            # queues is never asked, and would keep every request's time for ever.
+            while lane.finished[0] < now - RATE_WINDOW:
+                lane.finished.popleft()
         self.dispatch(lane)
 
     def dispatch(self, lane: Lane) -> None:

@@ -51,6 +51,12 @@ REFUSED = Counter("fleetplane_gateway_refused_total",
 USAGE_BUFFERED = Gauge("fleetplane_gateway_usage_records_buffered",
                        "Usage records waiting to be written to the database (more while it "
                        "is out of reach; at most 100,000 per event loop)")
+# Read when /metrics is scraped (serving/metrics_endpoint.py): a count of the serving
+# loop's tasks, so a soak can see tasks that are never finished (bench/soak.py).
+ASYNCIO_TASKS = Gauge("fleetplane_process_asyncio_tasks",
+                      "Tasks alive on this process's serving event loop, counted when "
+                      "/metrics is read")
+
 USAGE_DROPPED = Counter("fleetplane_gateway_usage_records_dropped_total",
                         "Usage records the database refused even written one by one, or "
                         "dropped, the oldest first, from a buffer full while the database "

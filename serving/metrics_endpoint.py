@@ -8,6 +8,7 @@ private network.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,8 @@ from typing import Any
 
 from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from serving.metrics import ASYNCIO_TASKS
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -43,6 +46,9 @@ async def metrics_application(scope: dict[str, Any],
                      "text/plain; charset=utf-8",
                      [(b"www-authenticate", b'Bearer realm="metrics"')])
         return
+    # Counted here, on the serving loop, where all_tasks() is safe and costs one pass over
+    # the loop's task set per scrape (nothing on the request path).
+    ASYNCIO_TASKS.set(len(asyncio.all_tasks()))
     await answer(send, 200, generate_latest(), CONTENT_TYPE_LATEST)
 
 

@@ -64,6 +64,7 @@ async def test_a_pass_scrapes_every_live_replica_and_pushes_updates(
         for _ in range(3):
             await client.post(f"{one.url}/v1/completions", timeout=10, json={
                 "model": "fake", "prompt": "hello", "max_tokens": 20})
+    # Rates are per second of the time between two passes: that time is the input.
     await asyncio.sleep(0.3)
     await collector.one_pass()
     fleet = await layer.receive(fleet_channel)  # the first pass's, then the second's

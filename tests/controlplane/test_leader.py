@@ -60,6 +60,7 @@ def test_a_holder_that_loses_the_lease_stops_its_controllers(
         stop = asyncio.Event()
         assert await first.acquire(stop)
         keeper = asyncio.create_task(first.keep(stop))
+        # A moment for the keeper to begin; taken at any point, the Lease must stop it.
         await asyncio.sleep(0.1)
         # Someone else takes the Lease (as after a network partition outlasting it).
         await asyncio.to_thread(lambda: first.api.patch_namespaced_lease(

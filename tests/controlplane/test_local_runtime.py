@@ -204,7 +204,7 @@ def test_killing_a_replica_under_load_replaces_it(plane: ControlPlane) -> None:
                 outcomes.append("ok")
             except httpx.HTTPError:
                 outcomes.append("error")
-                time.sleep(0.2)
+                time.sleep(0.2)  # pacing the client: retry a refused request gently
 
     workers = [threading.Thread(target=load) for _ in range(4)]
     for worker in workers:

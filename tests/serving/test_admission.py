@@ -6,6 +6,7 @@ place or its slot."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +18,14 @@ CRITICAL = PriorityClass("critical", 0, 100, 30)
 STANDARD = PriorityClass("standard", 10, 100, 30)
 BATCH = PriorityClass("batch", 20, 100, 30)
 SHARED_BATCH = PriorityClass("batch", 20, 100, 30, share=0.75)
+
+
+async def until(check: Any, what: str) -> None:
+    """Let the waiting tasks run until `check()` holds (bounded)."""
+    deadline = asyncio.get_running_loop().time() + 5
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.001)
 
 
 async def enter(admission: Admission, name: str, priority: PriorityClass,
@@ -51,14 +60,13 @@ def test_batch_never_fills_the_headroom_an_urgent_request_takes_at_once() -> Non
         admission, log = Admission(), list[str]()
         batch = [asyncio.create_task(enter(admission, f"batch-{n}", SHARED_BATCH, log, 4))
                  for n in range(5)]
-        await asyncio.sleep(0.01)
+        await until(lambda: admission.lane("demo|all").waiting() == 2, "two to wait")
         assert log == ["batch-0", "batch-1", "batch-2"]  # 3 of 4 slots: the rest waits
         ticket = await admission.acquire("demo|all", 4, CRITICAL)
         log.append("critical")
         busy = admission.lane("demo|all").busy
-        for _ in range(3):
+        for _ in range(3):  # each release lets in the next waiter the share allows
             admission.release("demo|all")
-            await asyncio.sleep(0.01)
         await asyncio.gather(*batch)
         assert ticket.position == 0 and ticket.waited == 0
         return log, busy
@@ -140,9 +148,9 @@ def test_a_client_that_leaves_frees_its_place_and_new_capacity_is_used() -> None
         await admission.acquire("demo|all", 1, STANDARD)
         gone = asyncio.create_task(enter(admission, "gone", CRITICAL, log))
         stays = asyncio.create_task(enter(admission, "stays", BATCH, log))
-        await asyncio.sleep(0.01)
+        await until(lambda: admission.lane("demo|all").waiting() == 2, "both to wait")
         gone.cancel()
-        await asyncio.sleep(0.01)
+        await until(gone.done, "the client to leave")
         assert admission.queued("demo") == {"batch": 1}
         admission.set_capacity("demo|all", 2)  # a replica joined: the waiter goes in
         await asyncio.wait_for(stays, 1)
@@ -165,3 +173,21 @@ def test_priority_classes_are_read_strictly() -> None:
                         ('{"no good": {"level": 1}}', "identifier")):
         with pytest.raises(ValueError, match=error):
             parse_classes(text)
+
+
+def test_a_lane_that_never_queues_keeps_only_its_rate_window_of_finished_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving import admission as module
+
+    clock = [1000.0]  # the admission module's clock only; the event loop keeps its own
+    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    async def run() -> int:
+        admission = Admission()
+        for _ in range(500):  # never a waiter: no estimate is ever asked for
+            await admission.acquire("demo|all", 8, STANDARD)
+            admission.release("demo|all")
+            clock[0] += 1.0
+        return len(admission.lane("demo|all").finished)
+
+    assert asyncio.run(run()) == module.RATE_WINDOW + 1

@@ -12,6 +12,15 @@ import pytest_asyncio
 
 from serving.upstream import ConnectionPool, UpstreamError, UpstreamStalled
 
+
+async def until(check: Callable[[], bool], what: str, seconds: float = 5) -> None:
+    """Wait (bounded) until `check()` holds."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -160,7 +169,8 @@ async def test_a_kept_alive_connection_closed_by_the_replica_is_replaced(server:
         response = await pool.request("POST", server.url, "/v1/completions", b"{}")
         assert await response.read() == b"{}"
         response.release()
-        await asyncio.sleep(0.05)  # the close reaches the client
+        await until(lambda: all(c.closed for idle in pool.idle.values() for c in idle),
+                    "the replica's close to reach the pooled connection")
     assert server.connections == 2
     pool.close()
 
@@ -210,9 +220,10 @@ async def test_a_fast_replica_is_read_with_bounded_memory(server: RawServer) -> 
     server.handler = handler
     pool = ConnectionPool()
     response = await pool.request("GET", server.url, "/big")
-    await asyncio.sleep(0.3)  # the replica writes as fast as it can meanwhile
     connection = response._connection
-    assert connection.paused and connection.buffered < 4 * 1024 * 1024
+    # The replica writes as fast as it can meanwhile: reading stops past the high water.
+    await until(lambda: connection.paused, "the socket to stop being read")
+    assert connection.buffered < 4 * 1024 * 1024
     assert len(await response.read()) == total
     response.release()
     pool.close()
