@@ -195,6 +195,17 @@ def test_a_worker_that_dies_is_started_again(fleet: Fleet) -> None:
         ask(fleet, key).status_code for _ in range(20)] == [200] * 20, 30, 0.5)
 
 
+def test_the_workers_of_a_killed_server_end_too(fleet: Fleet) -> None:
+    # A second server on the same database and Redis, supervising only.
+    second, _ = start_server(fleet.env, free_port(), "--workers", "2", "--no-controllers")
+    workers = [child for child in psutil.Process(second.pid).children() if is_worker(child)]
+    assert len(workers) == 2
+    second.kill()
+    second.wait(timeout=10)
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    assert alive == [] and len(gone) == 2
+
+
 def test_sigterm_stops_the_server_and_every_worker(fleet: Fleet) -> None:
     children = psutil.Process(fleet.server.pid).children(recursive=True)
     assert len(workers_of(fleet)) == 2
