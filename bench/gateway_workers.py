@@ -7,10 +7,10 @@ registered as an external deployment and REDIS_URL on a private `redis-server` (
 one worker requires it; the one-worker server gets it too, so the two differ only in the
 worker count), plus, for reference, the embedded default (one process, no Redis). The
 loads are gateway_overhead.py's (its load client and engines, imported): unpaced 64
-streams of 1024 tokens (--tokens), and paced (10 ms/token) 128 streams of 256. Printed per load and server:
-tokens per second, the ratio to direct, TTFT p50, and the CPU time per relayed event of the
-server's processes together (parent and workers). Everything runs on this machine:
-engine, servers and load client share its cores.
+streams of 1024 tokens (--tokens), and paced (10 ms/token) 128 streams of 256. Printed
+per load and server: tokens per second, the ratio to direct, TTFT p50, and the CPU time
+per relayed event of the server's processes together (parent and workers). Everything
+runs on this machine: engine, servers and load client share its cores.
 
     .venv/bin/python bench/gateway_workers.py [--workers N] [--rounds R] [--quick]
 """
