@@ -53,6 +53,25 @@ class Server(ControlPlane):
         return total
 
 
+    def route(self, name: str, engine_url: str) -> None:
+        """Route the engine, and wait until 20 fresh connections in a row (spread over
+        the workers) find it: each worker takes the route table from Redis on its own."""
+        import time
+
+        import httpx
+
+        super().route(name, engine_url)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all(any(m["id"] == name and m["ready_replicas"] for m in httpx.get(
+                    f"{self.url}/v1/models", timeout=5, headers={
+                        "Authorization": f"Bearer {self.key}"}).json()["data"])
+                   for _ in range(20)):
+                return
+            time.sleep(0.2)
+        raise SystemExit(f"deployment {name} not routed by every worker")
+
+
 def measure(label: str, direct_url: str, servers: list[Server], model: str, streams: int,
             tokens: int, rounds: int) -> list[str]:
     """Interleaved rounds of one load; one printed line per path."""
