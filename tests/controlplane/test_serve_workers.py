@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -147,6 +148,43 @@ def test_both_workers_answer_and_every_figure_counts_each_request_once(fleet: Fl
     Api(fleet.url, fleet.admin).wait_for("40 usage records", lambda: usage_of(
         fleet, key_id)[0] >= 40, 15, 0.5)
     assert usage_of(fleet, key_id) == (40, 40)
+
+
+def in_flight(fleet: Fleet, deployment: str) -> float:
+    """fleetplane_gateway_in_flight_requests for a deployment, from /metrics."""
+    text = httpx.get(f"{fleet.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("fleetplane_gateway_in_flight_requests{")
+               and f'deployment="{deployment}"' in line)
+
+
+def test_requests_in_flight_in_both_workers_are_summed(fleet: Fleet) -> None:
+    engine = start_fake_engine("slow", model="slow", interval_ms=50)
+    api = Api(fleet.url, fleet.admin)
+    try:
+        assert api.post("/api/v1/backends/", {"name": "slow-edge", "kind": "external",
+                                              "config": {"url": engine.url}}
+                        ).status_code == 201
+        assert api.post("/api/v1/deployments/", {"name": "slow", "model": "fake",
+                                                 "backend": "slow-edge", "replicas": 1}
+                        ).status_code == 201
+        api.wait_for("the slow replica routed by both workers", lambda: all(
+            any(m["id"] == "slow" and m["ready_replicas"]
+                for m in api.get("/v1/models")["data"]) for _ in range(20)), 60, 0.2)
+        _, key = new_key(fleet, "holding")
+        # 8 streams of 400 tokens at 50 ms each: 20 s in flight, over both workers.
+        with ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(httpx.post, f"{fleet.url}/v1/completions", timeout=60,
+                                   headers={"Authorization": f"Bearer {key}"},
+                                   json={"model": "slow", "prompt": "hi", "max_tokens": 400,
+                                         "stream": True}) for _ in range(8)]
+            api.wait_for("8 in flight", lambda: in_flight(fleet, "slow") == 8, 8, 0.1)
+            assert [in_flight(fleet, "slow") for _ in range(6)] == [8.0] * 6
+            assert [f.result().status_code for f in streams] == [200] * 8
+        api.wait_for("none in flight", lambda: in_flight(fleet, "slow") == 0, 10, 0.2)
+    finally:
+        engine.process.kill()
+        engine.process.wait(timeout=10)
 
 
 def test_a_rate_limit_holds_across_workers(fleet: Fleet) -> None:
