@@ -342,6 +342,9 @@ WEBSOCKET_MESSAGES_PER_SECOND = env_float("WEBSOCKET_MESSAGES_PER_SECOND", 5.0, 
 # The ASGI server of `manage.py serve`.
 SERVE_HOST = env_str("HOST", "127.0.0.1")
 SERVE_PORT = env_int("PORT", 8000, minimum=1, maximum=65535)
+# Gateway worker processes of `manage.py serve` on its one port (more than 1 needs
+# REDIS_URL: docs/operations.md, "Worker processes").
+GATEWAY_WORKERS = env_int("GATEWAY_WORKERS", 1, minimum=1, maximum=256)
 
 LOG_LEVEL = env_choice("LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR"))
 LOGGING = {

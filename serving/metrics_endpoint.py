@@ -4,6 +4,11 @@ With METRICS_TOKEN set, only `Authorization: Bearer <METRICS_TOKEN>` is answered
 figures name models, deployments and replicas; the scheme is taken in any case, the token
 compared in constant time); without it, /metrics is open, for a scraper on the same
 private network.
+
+Under `manage.py serve --workers N` (PROMETHEUS_MULTIPROC_DIR set for each worker) the
+answer sums every worker's figures, whichever worker it comes from: counters and
+histograms added up, gauges as serving/metrics.py says (`livesum`: the live workers'
+sum).
 """
 
 from __future__ import annotations
@@ -11,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from django.conf import settings
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from serving.metrics import ASYNCIO_TASKS
 
@@ -49,7 +56,17 @@ async def metrics_application(scope: dict[str, Any],
     # Counted here, on the serving loop, where all_tasks() is safe and costs one pass over
     # the loop's task set per scrape (nothing on the request path).
     ASYNCIO_TASKS.set(len(asyncio.all_tasks()))
-    await answer(send, 200, generate_latest(), CONTENT_TYPE_LATEST)
+    await answer(send, 200, exposition(), CONTENT_TYPE_LATEST)
+
+
+def exposition() -> bytes:
+    """This process's metrics, or every worker's when they are kept in files."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not folder:
+        return generate_latest()
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=folder)
+    return generate_latest(registry)
 
 
 async def answer(send: Send, status: int, body: bytes, content_type: str,

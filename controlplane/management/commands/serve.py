@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -7,7 +8,7 @@ import os
 import sys
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -18,6 +19,7 @@ from django.db import IntegrityError, transaction
 
 from controlplane.envconfig import env_str
 from controlplane.services import ensure_local_admin
+from controlplane.workers import check_port, follow_supervisor, reuse_port_socket, serve_workers
 from models_registry.services import recover_interrupted_imports
 
 INITIAL_PASSWORD_FILE = "initial-admin-password"
@@ -28,6 +30,8 @@ ADMIN_PASSWORD_VARIABLE = "FLEETPLANE_ADMIN_PASSWORD"
 USAGE_FLUSH_ON_STOP_SECONDS = 5.0
 
 logger = logging.getLogger(__name__)
+
+Result = TypeVar("Result")
 
 
 def write_owner_only(path: Path, text: str) -> Path:
@@ -68,7 +72,7 @@ def first_admin() -> tuple[str, str | None, bool]:
         return username, generated, False
 
 
-def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+def run_event_loop(main: Coroutine[Any, Any, Result]) -> Result:
     """uvloop where it is installed (it is, with uvicorn[standard]): the relay's speed."""
     # Helper threads (usage writer, reconciler queries) hand the interpreter back to the
     # event loop after 1 ms instead of Python's default 5 ms: a stream's next token does not
@@ -77,14 +81,14 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 class Command(BaseCommand):
     help = ("Run the control plane: the ASGI server (pages, REST API, WebSockets) and the "
-            "controllers (reconciler), in one process.")
+            "controllers (reconciler), in one process (or, with --workers N, N server "
+            "processes on one port and the controllers in their parent).")
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--host", default=settings.SERVE_HOST)
@@ -96,20 +100,41 @@ class Command(BaseCommand):
                             help="at SIGTERM, how long requests in flight (streams) may "
                                  "take to finish before they are cut (default: no bound; "
                                  "deploy/kubernetes/gateway.yaml sets 100)")
+        parser.add_argument("--workers", type=int, default=settings.GATEWAY_WORKERS,
+                            help="server processes on the one port (SO_REUSEPORT), the "
+                                 "controllers run once, in their parent; above 1 needs "
+                                 "REDIS_URL (default: GATEWAY_WORKERS, 1)")
+        # Set by --workers for each process it starts.
+        parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
 
     def handle(self, *args: Any, **options: Any) -> None:
+        grace, workers = options["graceful_shutdown_seconds"], options["workers"]
+        if options["worker_index"] is not None:
+            follow_supervisor()
+            run_event_loop(self.serve(options["host"], options["port"], options["log_level"],
+                                      controllers=False, graceful_shutdown=grace,
+                                      reuse_port=True))
+            return
+        if not 1 <= workers <= 256:
+            raise CommandError("--workers: a whole number from 1 to 256")
+        if workers > 1 and not settings.REDIS_URL:
+            raise CommandError("--workers above 1 needs REDIS_URL: the workers share the "
+                               "route table, key changes, rate limits and their figures "
+                               "through Redis (docs/operations.md, \"Worker processes\")")
         interrupted = recover_interrupted_imports()
         if interrupted:
             self.stderr.write(f"{interrupted} model import(s) were interrupted by a restart "
                               f"and are marked failed")
-        grace = options["graceful_shutdown_seconds"]
         if grace is not None and grace < 1:
             raise CommandError("--graceful-shutdown-seconds: a whole number of at least 1")
         username, password, from_environment = first_admin()
         host, port = options["host"], options["port"]
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         url = f"http://{shown_host}:{port}/"
-        self.stdout.write(f"\nFleetplane is starting on {url}")
+        if workers > 1:
+            check_port(host, port)
+        self.stdout.write(f"\nFleetplane is starting on {url}"
+                          + (f" with {workers} worker processes" if workers > 1 else ""))
         if from_environment:
             self.stdout.write(f"Log in as {username!r} with the password set in "
                               f"{ADMIN_PASSWORD_VARIABLE}. Change it with: python manage.py "
@@ -131,12 +156,26 @@ class Command(BaseCommand):
                               f"{username})")
         self.stdout.write("", ending="\n")
         self.stdout.flush()
+        if workers > 1:
+            self.supervise(workers, options)
+            return
         run_event_loop(self.serve(host, port, options["log_level"],
                                   controllers=not options["no_controllers"],
                                   graceful_shutdown=grace))
 
+    def supervise(self, workers: int, options: dict[str, Any]) -> None:
+        """Run the workers of --workers (and the controllers) until a signal stops them."""
+        arguments = ["--host", options["host"], "--port", str(options["port"]),
+                     "--log-level", options["log_level"]]
+        if options["graceful_shutdown_seconds"] is not None:
+            arguments += ["--graceful-shutdown-seconds",
+                          str(options["graceful_shutdown_seconds"])]
+        if run_event_loop(serve_workers(arguments, workers,
+                                        controllers=not options["no_controllers"])):
+            raise CommandError("a gateway worker kept failing: stopped (see above)")
+
     async def serve(self, host: str, port: int, log_level: str, *, controllers: bool,
-                    graceful_shutdown: int | None = None) -> None:
+                    graceful_shutdown: int | None = None, reuse_port: bool = False) -> None:
         import uvicorn
 
         from controlplane.controllers import run_controllers
@@ -165,7 +204,9 @@ class Command(BaseCommand):
         server = Server(config)
         stop = asyncio.Event()
         with uvicorn.Server.capture_signals(server):
-            tasks = [asyncio.create_task(server.serve())]
+            # A worker of --workers binds its own socket with SO_REUSEPORT beside the others.
+            sockets = [reuse_port_socket(host, port)] if reuse_port else None
+            tasks = [asyncio.create_task(server.serve(sockets=sockets))]
             if controllers:
                 tasks.append(asyncio.create_task(run_controllers(stop)))
             await tasks[0]
