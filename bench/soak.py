@@ -16,8 +16,11 @@ Every `--sample-seconds` (default 10) the clients finish what they are doing and
 (a quiet point, so in-flight work does not read as growth), and the server process's
 resident memory, open file descriptors and threads (psutil) and the tasks alive on its
 event loop (the gauge `fleetplane_process_asyncio_tasks` of its /metrics) are sampled.
-After a warm-up (the first fifth of the run, at least one minute) a straight line is
-fitted to each, and its slope printed as growth per hour.
+After a warm-up (`--warm-up-minutes`; by default the first fifth of the run, at least one
+minute) a straight line is fitted to each, and its slope printed as growth per hour. The
+collector keeps 15 minutes of samples per series (controlplane/metrics/store.py), so its
+memory fills for the first 15 minutes: a run that measures a leak, not that filling, has a
+warm-up of at least 16 minutes.
 
 Bounds (the verdict, last line): resident memory grows less than 5 MiB an hour; file
 descriptors, threads and tasks do not grow beyond noise (the fitted rise over the
@@ -25,8 +28,8 @@ measured window is under one, or under twice the standard deviation of the sampl
 the line); no answer with a 5xx status and no failed exchange (a stream or a socket that
 ended in an error where none was expected).
 
-    .venv/bin/python bench/soak.py [--minutes 20] [--workers 6] [--sample-seconds 10]
-                                   [--env NAME=VALUE]
+    .venv/bin/python bench/soak.py [--minutes 20] [--warm-up-minutes M] [--workers 6]
+                                   [--sample-seconds 10] [--env NAME=VALUE]
 """
 
 from __future__ import annotations
@@ -331,11 +334,18 @@ def verdict(samples: list[Sample], warm_up: float, tally: Tally, minutes: float)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--minutes", type=float, default=20)
+    parser.add_argument("--warm-up-minutes", type=float, default=None,
+                        help="samples before this are not fitted (default: a fifth of the "
+                             "run, at least one minute)")
     parser.add_argument("--workers", type=int, default=6)
     parser.add_argument("--sample-seconds", type=float, default=10)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for the server under test")
     options = parser.parse_args()
+    warm_up = (options.warm_up_minutes * 60 if options.warm_up_minutes is not None
+               else max(60.0, options.minutes * 60 / 5))
+    if warm_up >= options.minutes * 60:
+        raise SystemExit("the warm-up must be shorter than the run")
     extra_env = dict(item.split("=", 1) for item in options.env)
     product = ControlPlane(**{"SCRAPE_INTERVAL": "2", **extra_env})
     engines: list[subprocess.Popen[bytes]] = []
@@ -352,7 +362,6 @@ def main() -> None:
         product.stop()
         for process in engines:
             process.kill()
-    warm_up = max(60.0, options.minutes * 60 / 5)
     if not verdict(samples, warm_up, tally, options.minutes):
         sys.exit(1)
 
