@@ -137,12 +137,14 @@ def test_a_hung_reconcile_pass_gives_the_lease_up_and_the_process_exits(
         stuck, taken_over, exited = asyncio.run(scenario())
     finally:
         unblock.set()
-    # Renewal stops once nothing completed for the 2 s bound (checked every 2/3 s).
-    assert 2.0 <= taken_over <= 2 * 2 / 3 + 2.0 + 1.0
+    # Renewal stops once nothing completed for the 2 s bound (checked every 2/3 s); the
+    # last beat may precede the hang by a pass, and a busy machine delays the follower's
+    # tries: the bounds say "after the stall bound", where a renewing holder keeps it.
+    assert 2.0 - 0.5 <= taken_over <= 2 * 2 / 3 + 2.0 + 4.0
     assert holder(emulated) == "controller-b"
     assert not first.leading
     assert stuck  # the hung pass would keep the process: the command exits instead
-    assert exited <= taken_over + 1.0 + 1.0
+    assert exited <= taken_over + 1.0 + 4.0
 
 
 def test_a_long_pass_that_moves_deployment_by_deployment_keeps_the_lease(
