@@ -294,6 +294,7 @@ class Side:
 
     runs: list[Run]
     cpu: float  # seconds of the path's process CPU over its rounds
+    idle: float = 0.0  # the process's CPU per second with no traffic (its background)
 
     @property
     def events(self) -> int:
@@ -309,6 +310,12 @@ class Side:
         """Microseconds of the process's CPU per relayed event."""
         return self.cpu / max(1, self.events) * 1e6
 
+    @property
+    def net_cpu_per_event_us(self) -> float:
+        """The same, less what the process burns with no traffic over as long."""
+        seconds = sum(run.seconds for run in self.runs)
+        return max(0.0, self.cpu - self.idle * seconds) / max(1, self.events) * 1e6
+
     def ttft(self, q: float) -> float:
         """A TTFT percentile over every round, in ms."""
         return Run([t for run in self.runs for t in run.ttfts], 0, 1, 0).p(q)
@@ -322,13 +329,28 @@ class Side:
         return sum(run.tokens for run in self.runs) / sum(run.seconds for run in self.runs)
 
 
-def interleave(load_: Load, endpoints: list[Endpoint], rounds: int) -> list[Side]:
+def idle_burn(endpoints: list[Endpoint], seconds: float) -> dict[str, list[float]]:
+    """Per model, each endpoint's process CPU per second while nothing is sent (one window
+    for all)."""
+    models = ("fake", "fast")
+    before = {model: [endpoint.cpu_seconds(model) for endpoint in endpoints]
+              for model in models}
+    started = time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - started
+    return {model: [(endpoint.cpu_seconds(model) - was) / elapsed
+                    for endpoint, was in zip(endpoints, before[model], strict=True)]
+            for model in models}
+
+
+def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
+               idle: list[float] | None = None) -> list[Side]:
     """The same load sent to each endpoint in turn, `rounds` times (A, B, C, A, B, C ...),
     each endpoint's process CPU counted over its own rounds only."""
     for endpoint in endpoints:  # warm connection pools at the measured concurrency
         asyncio.run(load(endpoint.urls[load_.model], load_.model, load_.streams, 8,
                          endpoint.key, 1))
-    sides = [Side([], 0.0) for _ in endpoints]
+    sides = [Side([], 0.0, rate) for rate in idle or [0.0] * len(endpoints)]
     for _ in range(rounds):
         for endpoint, side in zip(endpoints, sides, strict=True):
             before = endpoint.cpu_seconds(load_.model)
@@ -418,7 +440,7 @@ def start_router(executable: Path, engine_url: str) -> tuple[subprocess.Popen[by
 def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
     """Direct, the gateway and vLLM's router before the same engines, rounds interleaved;
     one table, then each target of the gateway against the router."""
-    rounds = options.rounds or (1 if options.quick else 4)
+    rounds = options.rounds or (1 if options.quick else 6)
     names = options.loads or list(LOADS)
     executable = None if options.no_router else router_executable(Path(options.router_env))
     product = ControlPlane(**extra_env)
@@ -441,9 +463,16 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
             endpoints.append(Endpoint("vllm-router", {"fake": paced_via, "fast": unpaced_via},
                                       None, {"fake": paced_router.pid,
                                              "fast": unpaced_router.pid}))
+        # Background CPU (the gateway's controllers and collector, the routers' health
+        # checks), measured once with no traffic, then subtracted in the "net" column.
+        idle = idle_burn(endpoints, 10.0)
+        print("with no traffic, CPU of one core: " + ", ".join(
+            f"{endpoint.name} ({'paced' if model == 'fake' else 'unpaced'}) "
+            f"{idle[model][index]:.1%}" for model in idle
+            for index, endpoint in enumerate(endpoints) if endpoint.pids), flush=True)
         for name in names:
             load_ = LOADS[name]
-            sides = interleave(load_, endpoints, rounds)
+            sides = interleave(load_, endpoints, rounds, idle[load_.model])
             results.append((load_, endpoints, sides))
             print_rows(load_, endpoints, sides, rounds)
         print_table(results, rounds)
@@ -466,7 +495,8 @@ def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds
               f"{rounds} rounds) {endpoint.name}: TTFT p50 {side.ttft(0.5):.2f} p99 "
               f"{side.ttft(0.99):.2f} ms, {side.rate:,.0f} tok/s, ratio "
               f"{side.rate / direct.rate:.3f}, "
-              + (f"{side.cpu_per_event_us:.1f} us CPU/event, " if endpoint.pids else "")
+              + (f"{side.cpu_per_event_us:.1f} us CPU/event "
+                 f"({side.net_cpu_per_event_us:.1f} net of idle), " if endpoint.pids else "")
               + f"errors {side.errors}", flush=True)
 
 
@@ -474,9 +504,10 @@ def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: 
     """The markdown table, then the targets (gateway against router, same run)."""
     print(f"\n{rounds} interleaved rounds per load; added TTFT is the path's percentile "
           f"minus the direct one; CPU per relayed event is the path's process (user + "
-          f"system, every thread) over its own rounds.\n")
+          f"system, every thread, children included) over its own rounds; net: less its "
+          f"CPU with no traffic over as long.\n")
     print("| load | path | TTFT p50 / p99 | added TTFT p50 / p99 | tokens/s | ratio | "
-          "CPU per event | errors |")
+          "CPU per event (net) | errors |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     misses: dict[str, list[str]] = {"ttft": [], "ratio": [], "cpu": []}
     for load_, endpoints, sides in results:
@@ -485,7 +516,8 @@ def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: 
             added = (f"{side.ttft(0.5) - direct.ttft(0.5):+.1f} / "
                      f"{side.ttft(0.99) - direct.ttft(0.99):+.1f} ms"
                      if endpoint.name != "direct" else "")
-            cpu = f"{side.cpu_per_event_us:.1f} µs" if endpoint.pids else ""
+            cpu = (f"{side.cpu_per_event_us:.1f} µs ({side.net_cpu_per_event_us:.1f})"
+                   if endpoint.pids else "")
             print(f"| {load_.name} | {endpoint.name} | {side.ttft(0.5):.1f} / "
                   f"{side.ttft(0.99):.1f} ms | {added} | {side.rate:,.0f} | "
                   f"{side.rate / direct.rate:.3f} | {cpu} | {side.errors} |")
@@ -581,7 +613,9 @@ def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> N
         before, started = gateway.cpu_seconds("fake"), time.monotonic()
         subprocess.run([str(py_spy), "record", "--pid", str(product.process.pid),
                         "--duration", str(options.profile_seconds), "--rate", "100",
-                        "--format", "raw", "--threads", "--nonblocking",
+                        "--format", "raw", "--threads",
+                        # C frames (uvloop, the interpreter) need the process paused.
+                        *(["--native"] if options.profile_native else ["--nonblocking"]),
                         "--output", options.profile], check=True,
                        stdout=subprocess.DEVNULL)
         busy = (gateway.cpu_seconds("fake") - before) / (time.monotonic() - started)
@@ -614,8 +648,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one round per load")
     parser.add_argument("--loads", type=load_names, metavar="NAME,...",
                         help=f"a subset of the loads ({', '.join(LOADS)}); default all")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds per load (default 4; "
-                        "1 with --quick)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds per load (default 6, "
+                        "1 with --quick; 4 and 2 with --compare-with)")
     parser.add_argument("--no-router", action="store_true",
                         help="direct and the gateway only (no vllm-router)")
     parser.add_argument("--router-env", default=str(ROUTER_ENV), metavar="PATH",
@@ -625,6 +659,8 @@ def main() -> None:
                         "samples the gateway under 128 paced streams into PATH (raw "
                         "collapsed stacks) and prints where its time goes")
     parser.add_argument("--profile-seconds", type=int, default=20)
+    parser.add_argument("--profile-native", action="store_true", help="with --profile: C "
+                        "frames too (uvloop, the interpreter); pauses the gateway per sample")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for the control plane under test")
     parser.add_argument("--compare-with", metavar="PATH", help="another checkout of the "
