@@ -1,23 +1,37 @@
-"""Gateway overhead: the same load sent straight to an engine and through the gateway, side
-by side, in one run.
+"""Gateway overhead: the same load sent straight to the engines, through the gateway and
+through vLLM's Rust router (`vllm-router` from PyPI), side by side, in one run.
 
-- paced: the FAKE engine (fakes/engine.py) emitting one token every 10 ms, 1, 16 and 128
-  concurrent streams of 256 tokens: added TTFT p50/p99 and the throughput ratio;
-- unpaced: the fake engine as fast as it can, 64 streams: the throughput ratio;
-- with --vllm: the real vLLM CPU server with the demo model, 1 and 32 streams.
+The loads (--loads picks a subset, --rounds sets how many interleaved rounds):
+- paced-1, paced-16, paced-128: the FAKE engine (fakes/engine.py) emitting one token every
+  10 ms, 1, 16 and 128 concurrent streams of 256 tokens;
+- unpaced-1, unpaced-64: the fake engine as fast as it can, 1 and 64 streams;
+- with --vllm: afterwards the real vLLM CPU server with the demo model, 1 and 32 streams,
+  direct and through the gateway.
 
-The gateway is the product itself (`manage.py serve`, controllers included) with the engine
-registered as an external deployment. Everything runs on this machine: engine, gateway and
-load client share its cores.
+The gateway is the product itself (`manage.py serve`, controllers included) with each
+engine registered as an external deployment. The router runs round_robin over one worker,
+one router per engine, from the benchmark's own virtual environment (.bench/router-venv,
+ignored by git, created on first use; never the project's). Rounds are interleaved (direct,
+gateway, router, direct, ...) so every path sees the same machine. Per path and load it
+prints TTFT p50/p99, the added TTFT against direct, the throughput ratio to direct and the
+CPU time per relayed event of the relaying process (psutil: user + system seconds of the
+process, every thread, over the events the client received in that path's rounds; the
+least noisy figure on a shared machine), also net of the process's CPU with no traffic;
+then one markdown table and, on the last lines, each target of the gateway against the
+router (added TTFT p50 within the router's + 2 ms, throughput ratio at least the router's,
+CPU per event at most the router's) met or missed.
 
 With --compare-with PATH (another checkout of the project, e.g. a `git worktree` of an
 older commit with the same .venv), a second server runs that checkout's code before the
-same engines, and each load is sent to the two in interleaved rounds (A, B, A, B) so both
-see the same machine. Besides TTFT and throughput it prints each server's CPU time per
-relayed event (the server process's user + system seconds over the events the client
-received; the least noisy figure on a shared machine) and their ratio.
+same engines instead, and each load is sent to the two in interleaved rounds (A, B, A, B);
+it prints each server's CPU time per relayed event and their ratio.
 
-    .venv/bin/python bench/gateway_overhead.py [--vllm] [--quick] [--compare-with PATH]
+With --profile PATH, py-spy (from the benchmark's environment) samples the gateway process
+while 128 paced streams go through it, writes the raw collapsed stacks to PATH and prints
+where the time goes (bench/profile_summary.py).
+
+    .venv/bin/python bench/gateway_overhead.py [--loads NAME,...] [--rounds N] [--quick]
+        [--no-router] [--vllm] [--compare-with PATH] [--profile PATH [--profile-native]]
 """
 
 from __future__ import annotations
