@@ -536,7 +536,7 @@ def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: 
                   f"{side.ttft(0.99):.1f} ms | {added} | {side.rate:,.0f} | "
                   f"{side.rate / direct.rate:.3f} | {cpu} | {side.errors} |")
         if len(sides) == 3:
-            check_targets(load_.name, *sides, misses)
+            check_targets(load_.name, sides[0], sides[1], sides[2], misses)
     print()
     if not results or len(results[0][2]) < 3:
         print("targets: not judged (no vllm-router in this run)")
