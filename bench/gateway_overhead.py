@@ -40,13 +40,14 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -604,27 +605,30 @@ def measure_vllm(product: ControlPlane, processes: list[subprocess.Popen[bytes]]
 
 
 def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
-    """py-spy on the gateway process while 128 paced streams go through it: every
-    thread's active stacks, 100 a second, as raw collapsed stacks into --profile; then
-    where the time goes."""
+    """py-spy on the gateway process while --profile-load goes through it (128 paced
+    streams unless told): every thread's active stacks, 100 a second, as raw collapsed
+    stacks into --profile; then where the time goes, and the gateway's CPU per request and
+    per event over one round of the same load without the sampler."""
     py_spy = router_executable(Path(options.router_env)).parent / "py-spy"
+    load_ = options.profile_load
     product = ControlPlane(**extra_env)
     engine: subprocess.Popen[bytes] | None = None
     stop = threading.Event()
     try:
-        engine, engine_url = start_engine(10.0, "fake")
-        product.route("fake", engine_url)
-        asyncio.run(load(product.url, "fake", 128, 8, product.key, 1))  # warm pools
+        engine, engine_url = start_engine(10.0 if load_.model == "fake" else 0.0, load_.model)
+        product.route(load_.model, engine_url)
+        url, model, key = product.url, load_.model, product.key
+        asyncio.run(load(url, model, load_.streams, 1, key, 1))  # warm pools
 
         def drive() -> None:
             while not stop.is_set():
-                asyncio.run(load(product.url, "fake", 128, 256, product.key, 1))
+                asyncio.run(load(url, model, load_.streams, load_.tokens, key, load_.requests))
 
         driver = threading.Thread(target=drive, daemon=True)
         driver.start()
         time.sleep(2)  # let the streams reach their steady state first
-        gateway = Endpoint("gateway", {}, None, {"fake": product.process.pid})
-        before, started = gateway.cpu_seconds("fake"), time.monotonic()
+        gateway = Endpoint("gateway", {}, None, {model: product.process.pid})
+        before, started = gateway.cpu_seconds(model), time.monotonic()
         subprocess.run([str(py_spy), "record", "--pid", str(product.process.pid),
                         "--duration", str(options.profile_seconds), "--rate", "100",
                         "--format", "raw", "--threads",
@@ -632,16 +636,36 @@ def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> N
                         *(["--native"] if options.profile_native else ["--nonblocking"]),
                         "--output", options.profile], check=True,
                        stdout=subprocess.DEVNULL)
-        busy = (gateway.cpu_seconds("fake") - before) / (time.monotonic() - started)
+        busy = (gateway.cpu_seconds(model) - before) / (time.monotonic() - started)
         stop.set()
-        driver.join(timeout=30)
+        driver.join(timeout=60)
+        unsampled = interleave(load_, [replace(gateway, urls={model: url}, key=key)], 1)[0]
     finally:
         stop.set()
         product.stop()
         if engine is not None:
             engine.kill()
-    print(f"gateway process CPU while sampled: {busy:.0%} of one core")
+    requests = sum(len(run.ttfts) for run in unsampled.runs)
+    print(f"{load_.name}: gateway process CPU while sampled: {busy:.0%} of one core; "
+          f"without the sampler, {unsampled.cpu / max(1, requests) * 1000:.3f} ms per "
+          f"request, {unsampled.cpu_per_event_us:.1f} us per event ({requests} requests, "
+          f"{unsampled.events} events)")
     print(summarize_profile(Path(options.profile), options.profile_seconds))
+
+
+def profile_load(text: str) -> Load:
+    """`--profile-load (paced|unpaced)-STREAMS[xTOKENS]`, e.g. paced-128 or unpaced-128x1."""
+    match = re.fullmatch(r"(paced|unpaced)-(\d+)(?:x(\d+))?", text.strip())
+    if not match or int(match.group(2)) < 1 or int(match.group(3) or 256) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected paced-N or unpaced-N, "
+                                         f"optionally xTOKENS (e.g. unpaced-128x1)")
+    paced, streams, tokens = match.group(1) == "paced", int(match.group(2)), int(
+        match.group(3) or 256)
+    # A round of about a second or more, so the unsampled figure is not a few ms long.
+    requests = 1 if paced else max(1, 256 * 64 * 8 // (streams * tokens))
+    requests = min(requests, max(1, 4096 // streams))
+    return Load(text, "paced 10 ms/token" if paced else "unpaced", "fake" if paced else "fast",
+                streams, requests, tokens)
 
 
 def load_names(text: str) -> list[str]:
@@ -670,9 +694,12 @@ def main() -> None:
                         help="the benchmark's own environment holding vllm-router and "
                         "py-spy, created there on first use (default %(default)s)")
     parser.add_argument("--profile", metavar="PATH", help="instead of the table: py-spy "
-                        "samples the gateway under 128 paced streams into PATH (raw "
+                        "samples the gateway under --profile-load into PATH (raw "
                         "collapsed stacks) and prints where its time goes")
     parser.add_argument("--profile-seconds", type=int, default=20)
+    parser.add_argument("--profile-load", type=profile_load, default=profile_load("paced-128"),
+                        metavar="paced-N|unpaced-N[xTOKENS]", help="with --profile: the load "
+                        "(default paced-128; unpaced-128x1 is nearly all per-request work)")
     parser.add_argument("--profile-native", action="store_true", help="with --profile: C "
                         "frames too (uvloop, the interpreter); pauses the gateway per sample")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
