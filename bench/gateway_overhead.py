@@ -559,8 +559,8 @@ def check_targets(name: str, direct: Side, gateway: Side, router: Side,
     if gateway_added > router_added + 2.0:
         misses["ttft"].append(f"{name}: {gateway_added:+.1f} against {router_added:+.1f} ms")
     if gateway.rate < router.rate:
-        misses["ratio"].append(f"{name}: {gateway.rate / direct.rate:.3f} against "
-                               f"{router.rate / direct.rate:.3f}")
+        misses["ratio"].append(f"{name}: {gateway.rate / direct.rate:.4f} against "
+                               f"{router.rate / direct.rate:.4f}")
     if gateway.cpu_per_event_us > router.cpu_per_event_us:
         misses["cpu"].append(f"{name}: {gateway.cpu_per_event_us:.1f} against "
                              f"{router.cpu_per_event_us:.1f} µs")
