@@ -227,7 +227,19 @@ class ControlPlane:
                        cwd=ROOT, env=self.env, check=True, capture_output=True)
 
     def stop(self) -> None:
+        """Stop the server, and the collector's parsing worker and its resource tracker,
+        which outlive a stopped `serve` (they are left running, parented to init)."""
+        import psutil
+
+        try:
+            helpers = [child for child in psutil.Process(self.process.pid).children(True)
+                       if "multiprocessing" in " ".join(child.cmdline())]
+        except psutil.Error:
+            helpers = []
         stop_server(self.process)
+        for helper in helpers:
+            with contextlib.suppress(psutil.Error):
+                helper.kill()
 
 
 class OtherCheckout(ControlPlane):
