@@ -1,38 +1,53 @@
-"""Gateway overhead: the same load sent straight to an engine and through the gateway, side
-by side, in one run.
+"""Gateway overhead: the same load sent straight to the engines, through the gateway and
+through vLLM's Rust router (`vllm-router` from PyPI), side by side, in one run.
 
-- paced: the FAKE engine (fakes/engine.py) emitting one token every 10 ms, 1, 16 and 128
-  concurrent streams of 256 tokens: added TTFT p50/p99 and the throughput ratio;
-- unpaced: the fake engine as fast as it can, 64 streams: the throughput ratio;
-- with --vllm: the real vLLM CPU server with the demo model, 1 and 32 streams.
+The loads (--loads picks a subset, --rounds sets how many interleaved rounds):
+- paced-1, paced-16, paced-128: the FAKE engine (fakes/engine.py) emitting one token every
+  10 ms, 1, 16 and 128 concurrent streams of 256 tokens;
+- unpaced-1, unpaced-64: the fake engine as fast as it can, 1 and 64 streams;
+- with --vllm: afterwards the real vLLM CPU server with the demo model, 1 and 32 streams,
+  direct and through the gateway.
 
-Direct and gateway runs alternate round by round (direct, gateway, direct, gateway ...).
-
-The gateway is the product itself (`manage.py serve`, controllers included) with the engine
-registered as an external deployment. Everything runs on this machine: engine, gateway and
-load client share its cores.
+The gateway is the product itself (`manage.py serve`, controllers included) with each
+engine registered as an external deployment. The router runs round_robin over one worker,
+one router per engine, from the benchmark's own virtual environment (.bench/router-venv,
+ignored by git, created on first use; never the project's). Rounds are interleaved (direct,
+gateway, router, direct, ...) so every path sees the same machine. Per path and load it
+prints TTFT p50/p99, the added TTFT against direct, the throughput ratio to direct and the
+CPU time per relayed event of the relaying process (psutil: user + system seconds of the
+process, every thread, over the events the client received in that path's rounds; the
+least noisy figure on a shared machine), also net of the process's CPU with no traffic;
+then one markdown table and, on the last lines, each target of the gateway against the
+router (added TTFT p50 within the router's + 2 ms, throughput ratio at least the router's,
+CPU per event at most the router's) met or missed.
 
 With --compare-with PATH (another checkout of the project, e.g. a `git worktree` of an
 older commit with the same .venv), a second server runs that checkout's code before the
-same engines, and each load is sent to the two in interleaved rounds (A, B, A, B) so both
-see the same machine. Besides TTFT and throughput it prints each server's CPU time per
-relayed event (the server process's user + system seconds over the events the client
-received; the least noisy figure on a shared machine) and their ratio.
+same engines instead, and each load is sent to the two in interleaved rounds (A, B, A, B);
+it prints each server's CPU time per relayed event and their ratio.
 
-    .venv/bin/python bench/gateway_overhead.py [--vllm] [--quick] [--compare-with PATH]
+With --profile PATH, py-spy (from the benchmark's environment) samples the gateway process
+while 128 paced streams go through it, writes the raw collapsed stacks to PATH and prints
+where the time goes (bench/profile_summary.py).
+
+    .venv/bin/python bench/gateway_overhead.py [--loads NAME,...] [--rounds N] [--quick]
+        [--no-router] [--vllm] [--compare-with PATH] [--profile PATH [--profile-native]]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -41,6 +56,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.profile_summary import summarize_profile  # noqa: E402
 from tests.processes import (  # noqa: E402
     free_port,
     manage,
@@ -49,6 +65,9 @@ from tests.processes import (  # noqa: E402
     stop_server,
     wait_healthy,
 )
+
+ROUTER_VERSION = "0.1.17"
+ROUTER_ENV = ROOT / ".bench" / "router-venv"
 
 
 @dataclass
@@ -216,7 +235,19 @@ class ControlPlane:
                        cwd=ROOT, env=self.env, check=True, capture_output=True)
 
     def stop(self) -> None:
+        """Stop the server, and the collector's parsing worker and its resource tracker,
+        which outlive a stopped `serve` (they are left running, parented to init)."""
+        import psutil
+
+        try:
+            helpers = [child for child in psutil.Process(self.process.pid).children(True)
+                       if "multiprocessing" in " ".join(child.cmdline())]
+        except psutil.Error:
+            helpers = []
         stop_server(self.process)
+        for helper in helpers:
+            with contextlib.suppress(psutil.Error):
+                helper.kill()
 
 
 class OtherCheckout(ControlPlane):
@@ -244,12 +275,61 @@ def start_server_in(root: Path, env: dict[str, str], port: int) -> subprocess.Po
     raise SystemExit(f"manage.py serve in {root} did not answer /healthz")
 
 
+@dataclass(frozen=True)
+class Load:
+    """One load of the side-by-side table: `streams` clients, each sending `requests`
+    streamed completions of `tokens` tokens one after another per round."""
+
+    name: str
+    label: str
+    model: str  # "fake": the paced engine; "fast": the unpaced one
+    streams: int
+    requests: int
+    tokens: int = 256
+
+
+LOADS = {load.name: load for load in (
+    Load("paced-1", "paced 10 ms/token", "fake", 1, 2),
+    Load("paced-16", "paced 10 ms/token", "fake", 16, 1),
+    Load("paced-128", "paced 10 ms/token", "fake", 128, 1),
+    # Unpaced rounds repeat requests so that a round lasts about a second, not a few ms.
+    Load("unpaced-1", "unpaced", "fast", 1, 50),
+    Load("unpaced-64", "unpaced", "fast", 64, 8),
+)}
+
+
+@dataclass
+class Endpoint:
+    """One path to the engines: the engines themselves, the gateway or the routers."""
+
+    name: str
+    urls: dict[str, str]  # model -> base URL
+    key: str | None
+    pids: dict[str, int]  # model -> the process that relays it; none for the engine
+
+    def cpu_seconds(self, model: str) -> float:
+        """User + system CPU of the process relaying `model` and its children (every
+        thread) so far; 0 for the engine itself."""
+        import psutil
+
+        if model not in self.pids:
+            return 0.0
+        total = 0.0
+        process = psutil.Process(self.pids[model])
+        for member in (process, *process.children(recursive=True)):
+            with contextlib.suppress(psutil.Error):
+                times = member.cpu_times()
+                total += times.user + times.system
+        return total
+
+
 @dataclass
 class Side:
-    """One server's figures over the interleaved rounds of one load."""
+    """One path's figures over the interleaved rounds of one load."""
 
     runs: list[Run]
-    cpu: float  # seconds of the server's CPU
+    cpu: float  # seconds of the path's process CPU over its rounds
+    idle: float = 0.0  # the process's CPU per second with no traffic (its background)
 
     @property
     def events(self) -> int:
@@ -257,13 +337,26 @@ class Side:
         return sum(run.tokens for run in self.runs)
 
     @property
+    def errors(self) -> int:
+        return sum(run.errors for run in self.runs)
+
+    @property
     def cpu_per_event_us(self) -> float:
-        """Microseconds of the server's CPU per relayed event."""
+        """Microseconds of the process's CPU per relayed event."""
         return self.cpu / max(1, self.events) * 1e6
 
+    @property
+    def net_cpu_per_event_us(self) -> float:
+        """The same, less what the process burns with no traffic over as long."""
+        seconds = sum(run.seconds for run in self.runs)
+        return max(0.0, self.cpu - self.idle * seconds) / max(1, self.events) * 1e6
+
+    def ttft(self, q: float) -> float:
+        """A TTFT percentile over every round, in ms."""
+        return Run([t for run in self.runs for t in run.ttfts], 0, 1, 0).p(q)
+
     def ttft_p50(self) -> float:
-        """TTFT p50 over every round, in ms."""
-        return Run([t for run in self.runs for t in run.ttfts], 0, 1, 0).p(0.5)
+        return self.ttft(0.5)
 
     @property
     def rate(self) -> float:
@@ -271,34 +364,43 @@ class Side:
         return sum(run.tokens for run in self.runs) / sum(run.seconds for run in self.runs)
 
 
-def interleave(label: str, products: list[ControlPlane], model: str, streams: int, tokens: int,
-               rounds: int) -> list[Side]:
-    """The same load sent to each product in turn, `rounds` times (A, B, A, B)."""
-    for product in products:  # warm connection pools at the measured concurrency
-        asyncio.run(load(product.url, model, streams, 8, product.key, 1))
-    sides = [Side([], 0.0) for _ in products]
+def idle_burn(endpoints: list[Endpoint], seconds: float) -> dict[str, list[float]]:
+    """Per model, each endpoint's process CPU per second while nothing is sent (one window
+    for all)."""
+    models = ("fake", "fast")
+    before = {model: [endpoint.cpu_seconds(model) for endpoint in endpoints]
+              for model in models}
+    started = time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - started
+    return {model: [(endpoint.cpu_seconds(model) - was) / elapsed
+                    for endpoint, was in zip(endpoints, before[model], strict=True)]
+            for model in models}
+
+
+def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
+               idle: list[float] | None = None) -> list[Side]:
+    """The same load sent to each endpoint in turn, `rounds` times (A, B, C, A, B, C ...),
+    each endpoint's process CPU counted over its own rounds only."""
+    for endpoint in endpoints:  # warm connection pools at the measured concurrency
+        asyncio.run(load(endpoint.urls[load_.model], load_.model, load_.streams, 8,
+                         endpoint.key, 1))
+    sides = [Side([], 0.0, rate) for rate in idle or [0.0] * len(endpoints)]
     for _ in range(rounds):
-        for product, side in zip(products, sides, strict=True):
-            before = product.cpu_seconds()
-            side.runs.append(asyncio.run(load(product.url, model, streams, tokens,
-                                              product.key, 1)))
-            side.cpu += product.cpu_seconds() - before
-    this, other = sides[0], sides[1]
-    print(f"{label}: {streams} streams x {tokens} tokens, {rounds} interleaved rounds | "
-          f"this: {this.cpu_per_event_us:.1f} us CPU/event, TTFT p50 "
-          f"{this.ttft_p50():.2f} ms, {this.rate:,.0f} tok/s | other: "
-          f"{other.cpu_per_event_us:.1f} us CPU/event, TTFT p50 {other.ttft_p50():.2f} ms, "
-          f"{other.rate:,.0f} tok/s | CPU/event ratio this/other "
-          f"{this.cpu_per_event_us / other.cpu_per_event_us:.3f} | errors "
-          f"{sum(r.errors for r in this.runs)}/{sum(r.errors for r in other.runs)}",
-          flush=True)
+        for endpoint, side in zip(endpoints, sides, strict=True):
+            before = endpoint.cpu_seconds(load_.model)
+            side.runs.append(asyncio.run(load(endpoint.urls[load_.model], load_.model,
+                                              load_.streams, load_.tokens, endpoint.key,
+                                              load_.requests)))
+            side.cpu += endpoint.cpu_seconds(load_.model) - before
     return sides
 
 
 def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
     """This checkout's gateway against another's, in interleaved rounds."""
     other_root = Path(options.compare_with).resolve()
-    rounds = 2 if options.quick else 4
+    rounds = options.rounds or (2 if options.quick else 4)
+    names = options.loads or ["paced-1", "paced-16", "unpaced-64"]
     products = [ControlPlane(**extra_env), OtherCheckout(other_root, extra_env)]
     processes: list[subprocess.Popen[bytes]] = []
     summary: list[str] = []
@@ -309,12 +411,20 @@ def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) ->
         for product in products:
             product.route("fake", paced_url)
             product.route("fast", unpaced_url)
-        loads = [("paced 10 ms/token", "fake", 16, 256), ("unpaced", "fast", 64, 256)]
-        if not options.quick:
-            loads.insert(0, ("paced 10 ms/token", "fake", 1, 256))
-        for label, model, streams, tokens in loads:
-            this, other = interleave(label, products, model, streams, tokens, rounds)
-            summary.append(f"{label} {streams}: CPU/event x"
+        endpoints = [Endpoint(name, {"fake": p.url, "fast": p.url}, p.key,
+                              {"fake": p.process.pid, "fast": p.process.pid})
+                     for name, p in zip(("this", "other"), products, strict=True)]
+        for name in names:
+            load_ = LOADS[name]
+            this, other = interleave(load_, endpoints, rounds)
+            print(f"{name}: {load_.streams} streams x {load_.tokens} tokens, {rounds} "
+                  f"interleaved rounds | this: {this.cpu_per_event_us:.1f} us CPU/event, "
+                  f"TTFT p50 {this.ttft_p50():.2f} ms, {this.rate:,.0f} tok/s | other: "
+                  f"{other.cpu_per_event_us:.1f} us CPU/event, TTFT p50 "
+                  f"{other.ttft_p50():.2f} ms, {other.rate:,.0f} tok/s | CPU/event ratio "
+                  f"this/other {this.cpu_per_event_us / other.cpu_per_event_us:.3f} | "
+                  f"errors {this.errors}/{other.errors}", flush=True)
+            summary.append(f"{name}: CPU/event x"
                            f"{this.cpu_per_event_us / other.cpu_per_event_us:.3f} "
                            f"({this.cpu_per_event_us:.1f} vs {other.cpu_per_event_us:.1f} us)")
     finally:
@@ -325,50 +435,155 @@ def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) ->
     print(f"gateway overhead against {other_root}: " + "; ".join(summary))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--vllm", action="store_true", help="also measure the real vLLM CPU "
-                        "server with the demo model (starts one, about 2 minutes)")
-    parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="a setting for the control plane under test")
-    parser.add_argument("--compare-with", metavar="PATH", help="another checkout of the "
-                        "project: its gateway against this one's, in interleaved rounds")
-    options = parser.parse_args()
-    extra_env = dict(item.split("=", 1) for item in options.env)
-    if options.compare_with:
-        compare_checkouts(options, extra_env)
-        return
-    rounds = 1 if options.quick else 3
+def router_executable(folder: Path) -> Path:
+    """vLLM's Rust router from PyPI, in the benchmark's own virtual environment (created
+    once under `folder`, which git ignores; never the project's environment). py-spy goes
+    in with it, for --profile."""
+    executable = folder / "bin" / "vllm-router"
+    installed = list(folder.glob(f"lib/python*/site-packages/"
+                                 f"vllm_router-{ROUTER_VERSION}.dist-info"))
+    print(f"vllm-router {ROUTER_VERSION} and py-spy: the environment in {folder}",
+          flush=True)
+    if executable.exists() and installed and (folder / "bin" / "py-spy").exists():
+        return executable
+    if not (folder / "bin" / "pip").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    subprocess.run([str(folder / "bin" / "pip"), "install", "--quiet",
+                    "--disable-pip-version-check", f"vllm-router=={ROUTER_VERSION}",
+                    "py-spy"], check=True)
+    return executable
+
+
+def start_router(executable: Path, engine_url: str) -> tuple[subprocess.Popen[bytes], str]:
+    """vLLM's router before one engine: round_robin over one worker, its own metrics port
+    (two routers on one default port make the second panic), warnings only."""
+    port = free_port()
+    process = subprocess.Popen(
+        [str(executable), "--host", "127.0.0.1", "--port", str(port),
+         "--worker-urls", engine_url, "--policy", "round_robin",
+         "--prometheus-port", str(free_port()), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 60, process)
+    except BaseException:
+        process.kill()
+        raise
+    return process, url
+
+
+def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
+    """Direct, the gateway and vLLM's router before the same engines, rounds interleaved;
+    one table, then each target of the gateway against the router."""
+    rounds = options.rounds or (1 if options.quick else 6)
+    names = options.loads or list(LOADS)
+    executable = None if options.no_router else router_executable(Path(options.router_env))
     product = ControlPlane(**extra_env)
     processes: list[subprocess.Popen[bytes]] = []
-    summary: list[str] = []
+    results: list[tuple[Load, list[Endpoint], list[Side]]] = []
     try:
         paced, paced_url = start_engine(10.0, "fake")
         unpaced, unpaced_url = start_engine(0.0, "fast")
         processes += [paced, unpaced]
         product.route("fake", paced_url)
         product.route("fast", unpaced_url)
-        for streams in (1, 16, 128):
-            direct, through = compare("paced 10 ms/token", paced_url, product.url, "fake",
-                                      streams, 256, product.key, rounds)
-            summary.append(f"paced {streams}: +{through.p(0.5) - direct.p(0.5):.2f}/"
-                           f"+{through.p(0.99) - direct.p(0.99):.2f} ms, "
-                           f"x{through.rate / direct.rate:.3f}")
-        direct, through = compare("unpaced", unpaced_url, product.url, "fast", 64, 256,
-                                  product.key, rounds)
-        summary.append(f"unpaced 64: x{through.rate / direct.rate:.3f}")
+        pid = product.process.pid
+        endpoints = [Endpoint("direct", {"fake": paced_url, "fast": unpaced_url}, None, {}),
+                     Endpoint("gateway", {"fake": product.url, "fast": product.url},
+                              product.key, {"fake": pid, "fast": pid})]
+        if executable is not None:  # one router per engine, as one gateway serves both
+            (paced_router, paced_via), (unpaced_router, unpaced_via) = (
+                start_router(executable, url) for url in (paced_url, unpaced_url))
+            processes += [paced_router, unpaced_router]
+            endpoints.append(Endpoint("vllm-router", {"fake": paced_via, "fast": unpaced_via},
+                                      None, {"fake": paced_router.pid,
+                                             "fast": unpaced_router.pid}))
+        # Background CPU (the gateway's controllers and collector, the routers' health
+        # checks), measured once with no traffic, then subtracted in the "net" column.
+        idle = idle_burn(endpoints, 10.0)
+        print("with no traffic, CPU of one core: " + ", ".join(
+            f"{endpoint.name} ({'paced' if model == 'fake' else 'unpaced'}) "
+            f"{idle[model][index]:.1%}" for model in idle
+            for index, endpoint in enumerate(endpoints) if endpoint.pids), flush=True)
+        for name in names:
+            load_ = LOADS[name]
+            sides = interleave(load_, endpoints, rounds, idle[load_.model])
+            results.append((load_, endpoints, sides))
+            print_rows(load_, endpoints, sides, rounds)
+        print_table(results, rounds)
         if options.vllm:
-            summary += measure_vllm(product, processes, rounds)
+            print("gateway overhead, vLLM: " + "; ".join(measure_vllm(product, processes, 1)))
     finally:
         product.stop()
         for process in processes:
-            with_group = getattr(process, "fleet_group", False)
-            if with_group:
+            if getattr(process, "fleet_group", False):
                 os.killpg(process.pid, signal.SIGKILL)
             else:
                 process.kill()
-    print("gateway overhead: " + "; ".join(summary))
+
+
+def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds: int) -> None:
+    """One line per path as each load finishes, so a long run shows progress."""
+    direct = sides[0]
+    for endpoint, side in zip(endpoints, sides, strict=True):
+        print(f"{load_.name} ({load_.streams} x {load_.requests} x {load_.tokens} tokens, "
+              f"{rounds} rounds) {endpoint.name}: TTFT p50 {side.ttft(0.5):.2f} p99 "
+              f"{side.ttft(0.99):.2f} ms, {side.rate:,.0f} tok/s, ratio "
+              f"{side.rate / direct.rate:.3f}, "
+              + (f"{side.cpu_per_event_us:.1f} us CPU/event "
+                 f"({side.net_cpu_per_event_us:.1f} net of idle), " if endpoint.pids else "")
+              + f"errors {side.errors}", flush=True)
+
+
+def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: int) -> None:
+    """The markdown table, then the targets (gateway against router, same run)."""
+    print(f"\n{rounds} interleaved rounds per load; added TTFT is the path's percentile "
+          f"minus the direct one; CPU per relayed event is the path's process (user + "
+          f"system, every thread, children included) over its own rounds; net: less its "
+          f"CPU with no traffic over as long.\n")
+    print("| load | path | TTFT p50 / p99 | added TTFT p50 / p99 | tokens/s | ratio | "
+          "CPU per event (net) | errors |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    misses: dict[str, list[str]] = {"ttft": [], "ratio": [], "cpu": []}
+    for load_, endpoints, sides in results:
+        direct = sides[0]
+        for endpoint, side in zip(endpoints, sides, strict=True):
+            added = (f"{side.ttft(0.5) - direct.ttft(0.5):+.1f} / "
+                     f"{side.ttft(0.99) - direct.ttft(0.99):+.1f} ms"
+                     if endpoint.name != "direct" else "")
+            cpu = (f"{side.cpu_per_event_us:.1f} µs ({side.net_cpu_per_event_us:.1f})"
+                   if endpoint.pids else "")
+            print(f"| {load_.name} | {endpoint.name} | {side.ttft(0.5):.1f} / "
+                  f"{side.ttft(0.99):.1f} ms | {added} | {side.rate:,.0f} | "
+                  f"{side.rate / direct.rate:.3f} | {cpu} | {side.errors} |")
+        if len(sides) == 3:
+            check_targets(load_.name, sides[0], sides[1], sides[2], misses)
+    print()
+    if not results or len(results[0][2]) < 3:
+        print("targets: not judged (no vllm-router in this run)")
+        return
+    rows = len(results)
+    for key, text in (("ttft", "added TTFT p50 within the router's + 2 ms on every row"),
+                      ("ratio", "throughput ratio at least the router's on every row"),
+                      ("cpu", "CPU per relayed event at most the router's on every row")):
+        verdict = "MISSED" if misses[key] else "met"
+        detail = "; ".join(misses[key]) if misses[key] else f"{rows} of {rows} rows"
+        print(f"target: {text}: {verdict} ({detail})")
+
+
+def check_targets(name: str, direct: Side, gateway: Side, router: Side,
+                  misses: dict[str, list[str]]) -> None:
+    """Adds this row to `misses` for each target of the gateway it misses."""
+    gateway_added = gateway.ttft(0.5) - direct.ttft(0.5)
+    router_added = router.ttft(0.5) - direct.ttft(0.5)
+    if gateway_added > router_added + 2.0:
+        misses["ttft"].append(f"{name}: {gateway_added:+.1f} against {router_added:+.1f} ms")
+    if gateway.rate < router.rate:
+        misses["ratio"].append(f"{name}: {gateway.rate / direct.rate:.4f} against "
+                               f"{router.rate / direct.rate:.4f}")
+    if gateway.cpu_per_event_us > router.cpu_per_event_us:
+        misses["cpu"].append(f"{name}: {gateway.cpu_per_event_us:.1f} against "
+                             f"{router.cpu_per_event_us:.1f} µs")
 
 
 def start_vllm(*, eager: bool) -> tuple[subprocess.Popen[bytes], str]:
@@ -407,6 +622,120 @@ def measure_vllm(product: ControlPlane, processes: list[subprocess.Popen[bytes]]
         results.append(f"vLLM {streams}: +{through.p(0.5) - direct.p(0.5):.1f} ms, "
                        f"x{through.rate / direct.rate:.3f}")
     return results
+
+
+def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
+    """py-spy on the gateway process while --profile-load goes through it (128 paced
+    streams unless told): every thread's active stacks, 100 a second, as raw collapsed
+    stacks into --profile; then where the time goes, and the gateway's CPU per request and
+    per event over one round of the same load without the sampler."""
+    py_spy = router_executable(Path(options.router_env)).parent / "py-spy"
+    load_ = options.profile_load
+    product = ControlPlane(**extra_env)
+    engine: subprocess.Popen[bytes] | None = None
+    stop = threading.Event()
+    try:
+        engine, engine_url = start_engine(10.0 if load_.model == "fake" else 0.0, load_.model)
+        product.route(load_.model, engine_url)
+        url, model, key = product.url, load_.model, product.key
+        asyncio.run(load(url, model, load_.streams, 1, key, 1))  # warm pools
+
+        def drive() -> None:
+            while not stop.is_set():
+                asyncio.run(load(url, model, load_.streams, load_.tokens, key, load_.requests))
+
+        driver = threading.Thread(target=drive, daemon=True)
+        driver.start()
+        time.sleep(2)  # let the streams reach their steady state first
+        gateway = Endpoint("gateway", {}, None, {model: product.process.pid})
+        before, started = gateway.cpu_seconds(model), time.monotonic()
+        subprocess.run([str(py_spy), "record", "--pid", str(product.process.pid),
+                        "--duration", str(options.profile_seconds), "--rate", "100",
+                        "--format", "raw", "--threads",
+                        # C frames (uvloop, the interpreter) need the process paused.
+                        *(["--native"] if options.profile_native else ["--nonblocking"]),
+                        "--output", options.profile], check=True,
+                       stdout=subprocess.DEVNULL)
+        busy = (gateway.cpu_seconds(model) - before) / (time.monotonic() - started)
+        stop.set()
+        driver.join(timeout=60)
+        unsampled = interleave(load_, [replace(gateway, urls={model: url}, key=key)], 1)[0]
+    finally:
+        stop.set()
+        product.stop()
+        if engine is not None:
+            engine.kill()
+    requests = sum(len(run.ttfts) for run in unsampled.runs)
+    print(f"{load_.name}: gateway process CPU while sampled: {busy:.0%} of one core; "
+          f"without the sampler, {unsampled.cpu / max(1, requests) * 1000:.3f} ms per "
+          f"request, {unsampled.cpu_per_event_us:.1f} us per event ({requests} requests, "
+          f"{unsampled.events} events)")
+    print(summarize_profile(Path(options.profile), options.profile_seconds))
+
+
+def profile_load(text: str) -> Load:
+    """`--profile-load (paced|unpaced)-STREAMS[xTOKENS]`, e.g. paced-128 or unpaced-128x1."""
+    match = re.fullmatch(r"(paced|unpaced)-(\d+)(?:x(\d+))?", text.strip())
+    if not match or int(match.group(2)) < 1 or int(match.group(3) or 256) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected paced-N or unpaced-N, "
+                                         f"optionally xTOKENS (e.g. unpaced-128x1)")
+    paced, streams, tokens = match.group(1) == "paced", int(match.group(2)), int(
+        match.group(3) or 256)
+    # A round of about a second or more, so the unsampled figure is not a few ms long.
+    requests = 1 if paced else max(1, 256 * 64 * 8 // (streams * tokens))
+    requests = min(requests, max(1, 4096 // streams))
+    return Load(text, "paced 10 ms/token" if paced else "unpaced", "fake" if paced else "fast",
+                streams, requests, tokens)
+
+
+def load_names(text: str) -> list[str]:
+    """`--loads paced-128,unpaced-64`: names from LOADS, refused otherwise."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in LOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown load {', '.join(unknown) or text!r}; "
+                                         f"known: {', '.join(LOADS)}")
+    return names
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--vllm", action="store_true", help="also measure the real vLLM CPU "
+                        "server with the demo model, direct and through the gateway (starts "
+                        "one, about 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="one round per load")
+    parser.add_argument("--loads", type=load_names, metavar="NAME,...",
+                        help=f"a subset of the loads ({', '.join(LOADS)}); default all")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds per load (default 6, "
+                        "1 with --quick; 4 and 2 with --compare-with)")
+    parser.add_argument("--no-router", action="store_true",
+                        help="direct and the gateway only (no vllm-router)")
+    parser.add_argument("--router-env", default=str(ROUTER_ENV), metavar="PATH",
+                        help="the benchmark's own environment holding vllm-router and "
+                        "py-spy, created there on first use (default %(default)s)")
+    parser.add_argument("--profile", metavar="PATH", help="instead of the table: py-spy "
+                        "samples the gateway under --profile-load into PATH (raw "
+                        "collapsed stacks) and prints where its time goes")
+    parser.add_argument("--profile-seconds", type=int, default=20)
+    parser.add_argument("--profile-load", type=profile_load, default=profile_load("paced-128"),
+                        metavar="paced-N|unpaced-N[xTOKENS]", help="with --profile: the load "
+                        "(default paced-128; unpaced-128x1 is nearly all per-request work)")
+    parser.add_argument("--profile-native", action="store_true", help="with --profile: C "
+                        "frames too (uvloop, the interpreter); pauses the gateway per sample")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for the control plane under test")
+    parser.add_argument("--compare-with", metavar="PATH", help="another checkout of the "
+                        "project: its gateway against this one's, in interleaved rounds")
+    options = parser.parse_args()
+    if options.rounds is not None and options.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    extra_env = dict(item.split("=", 1) for item in options.env)
+    if options.compare_with:
+        compare_checkouts(options, extra_env)
+    elif options.profile:
+        profile_gateway(options, extra_env)
+    else:
+        side_by_side(options, extra_env)
 
 
 if __name__ == "__main__":
