@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import logging
 import multiprocessing
+import signal
+import sys
 from typing import TYPE_CHECKING, Any
 
 from serving.engine_metrics import Scrape, parse_reduced, reduce_exposition
@@ -33,6 +36,13 @@ def parse_batch(texts: list[str]) -> list[Scrape | None]:
         except Exception:
             out.append(None)
     return out
+
+
+def die_with_parent() -> None:
+    """The parser process ends when the process that started it does, however that ends
+    (even `kill -9`): Linux sends it SIGTERM then (PR_SET_PDEATHSIG)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Scraper:
@@ -91,7 +101,8 @@ class Scraper:
         while, and in the embedded setup the gateway shares this one."""
         if self.pool is None:
             self.pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                initializer=die_with_parent)
         return self.pool
 
     async def parse_all(self, targets: list[Target], texts: list[str | None]

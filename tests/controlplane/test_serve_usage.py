@@ -1,12 +1,14 @@
-"""Usage at shutdown: `manage.py serve` stopped with SIGTERM writes the usage records its
-gateway still held buffered, in front of a FAKE engine (fakes/vllm_cli.py stands in for
-vLLM's command line)."""
+"""At shutdown: `manage.py serve` stopped with SIGTERM writes the usage records its gateway
+still held buffered, and leaves none of its helper processes behind (the replicas it runs
+are kept, for the next start to adopt), in front of a FAKE engine (fakes/vllm_cli.py stands
+in for vLLM's command line)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from fakes.vllm_cli import stand_in_python
@@ -54,9 +56,16 @@ def test_a_stopped_server_writes_the_usage_it_still_held(tmp_path: Path) -> None
                             json={"model": "chat", "max_tokens": 2,
                                   "messages": [{"role": "user", "content": "Hi"}]})
         assert answer.status_code == 200, answer.text
+        # The collector parses the replica's metrics in a helper process (and Python's
+        # resource tracker comes with it).
+        helpers = api.wait_for("the collector's helper processes", lambda: [
+            child for child in psutil.Process(server.pid).children(recursive=True)
+            if "multiprocessing" in " ".join(child.cmdline())], 60, 0.2)
     finally:
         stop_server(server)
         end_replicas(env["DATA_DIR"])
+    _, alive = psutil.wait_procs(helpers, timeout=10)
+    assert alive == [], [p.cmdline() for p in alive]
     stored = manage(env, "shell", "-c", "from serving.models import UsageRecord; print("
                     "list(UsageRecord.objects.values_list('request_id', 'completion_tokens')))")
     assert stored.stdout.strip().splitlines()[-1] == "[('before-the-stop', 2)]"
