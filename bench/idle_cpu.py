@@ -133,27 +133,55 @@ def wait_ready(plane: Plane, names: list[str], timeout: float) -> None:
     plane.api.wait_for(f"{names} ready", check, timeout, 0.5)
 
 
-def measure(pid: int, seconds: float) -> tuple[float, dict[int, float]]:
-    """% of one core used by process `pid` over `seconds`, and per thread id."""
+def helpers_of(pid: int) -> list[psutil.Process]:
+    """The serve process's own child processes (the metrics parser), not its replicas
+    (whose environment carries the local backend's replica marker)."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "FLEETPLANE_REPLICA" not in child.environ():
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found
+
+
+def cpu_of(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def measure(pid: int, seconds: float) -> tuple[float, float, dict[int, float]]:
+    """% of one core used over `seconds` by process `pid`, by its helper processes, and
+    per thread id of `pid`."""
     process = psutil.Process(pid)
+    helpers = helpers_of(pid)
     before_threads = {t.id: t.user_time + t.system_time for t in process.threads()}
-    before = process.cpu_times()
+    before, before_helpers = cpu_of([process]), cpu_of(helpers)
     started = time.monotonic()
     time.sleep(seconds)  # the measurement window itself: nothing to wait for
-    after = process.cpu_times()
+    after, after_helpers = cpu_of([process]), cpu_of(helpers)
     elapsed = time.monotonic() - started
     after_threads = {t.id: t.user_time + t.system_time for t in process.threads()}
-    total = (after.user + after.system - before.user - before.system) / elapsed * 100
     threads = {tid: (spent - before_threads.get(tid, 0.0)) / elapsed * 100
                for tid, spent in after_threads.items()}
-    return total, threads
+    return ((after - before) / elapsed * 100, (after_helpers - before_helpers) / elapsed * 100,
+            threads)
 
 
 def report(label: str, pid: int, seconds: float) -> float:
     # Let the start-up settle (first passes, imports, connection pools) before measuring.
     time.sleep(min(10.0, seconds / 3))
-    total, threads = measure(pid, seconds)
-    print(f"{label}: {total:.2f}% of one core over {seconds:.0f} s", flush=True)
+    serve, helpers, threads = measure(pid, seconds)
+    total = serve + helpers
+    print(f"{label}: {total:.2f}% of one core over {seconds:.0f} s (serve {serve:.2f}%, "
+          f"its helper processes {helpers:.2f}%)", flush=True)
     for tid, percent in sorted(threads.items(), key=lambda item: -item[1])[:6]:
         name = "event loop (main thread)" if tid == pid else f"thread {tid}"
         print(f"    {name}: {percent:.2f}%", flush=True)
