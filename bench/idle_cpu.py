@@ -62,6 +62,7 @@ class Plane:
     env: dict[str, str]
     process: subprocess.Popen[str]
     python: str
+    root: Path = ROOT
     extra: list[subprocess.Popen[str]] = field(default_factory=list)
 
     def stop(self) -> None:
@@ -70,18 +71,47 @@ class Plane:
         end_replicas(self.env["DATA_DIR"])
 
 
+def run_manage(root: Path, env: dict[str, str], *args: str
+               ) -> subprocess.CompletedProcess[str]:
+    """A manage.py command of the checkout at `root`."""
+    if root == ROOT:
+        return manage(env, *args)
+    return subprocess.run([sys.executable, "manage.py", *args], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300, check=True)
+
+
+def start_serve(root: Path, env: dict[str, str], port: int,
+                *options: str) -> subprocess.Popen[str]:
+    """`manage.py serve` of the checkout at `root`, once it answers /healthz."""
+    if root == ROOT:
+        return start_server(env, port, *options)[0]
+    process = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port),
+                                *options], cwd=root, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, text=True)
+    Api(f"http://127.0.0.1:{port}", "").wait_for(f"serve in {root}", lambda: answers(port),
+                                                 60, 0.2)
+    return process
+
+
+def answers(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def start_plane(folder: Path, *, vllm: bool, controllers_apart: bool = False,
-                env: dict[str, str] | None = None) -> Plane:
+                env: dict[str, str] | None = None, root: Path = ROOT) -> Plane:
     """`manage.py serve` with a fake-engine local backend (`fakes`) and a model `fake`;
     with `vllm`, also the demo model and deployment as `make run` creates them."""
-    env = env if env is not None else prepared_env(folder, vllm=vllm)
-    key = manage(env, "create_api_key", "--name", f"bench-{time.monotonic_ns()}", "--scope",
-                 "admin").stdout.strip().splitlines()[-1]
+    env = env if env is not None else prepared_env(folder, vllm=vllm, root=root)
+    key = run_manage(root, env, "create_api_key", "--name", f"bench-{time.monotonic_ns()}",
+                     "--scope", "admin").stdout.strip().splitlines()[-1]
     port = free_port()
     options = ("--no-controllers",) if controllers_apart else ()
-    process, _ = start_server(env, port, *options)
+    process = start_serve(root, env, port, *options)
     plane = Plane(Api(f"http://127.0.0.1:{port}", key), env, process,
-                  env["LOCAL_BACKEND_PYTHONS"])
+                  env["LOCAL_BACKEND_PYTHONS"], root)
     if controllers_apart:
         plane.extra.append(subprocess.Popen(
             [sys.executable, "manage.py", "run_controllers"], cwd=ROOT, env=env,
@@ -89,20 +119,21 @@ def start_plane(folder: Path, *, vllm: bool, controllers_apart: bool = False,
     return plane
 
 
-def prepared_env(folder: Path, *, vllm: bool, **extra: str) -> dict[str, str]:
+def prepared_env(folder: Path, *, vllm: bool, root: Path = ROOT,
+                 **extra: str) -> dict[str, str]:
     """A migrated data folder with the model `fake` (and with `vllm` the demo model and
     deployment, as `make run` creates them); the environment `make run` gives `serve`."""
     python = stand_in_python(folder, token_interval_ms=10.0)
     env = server_env(folder / "data", LOG_LEVEL="WARNING", LOCAL_BACKEND_PYTHONS=python,
                      **extra)
-    manage(env, "migrate", "--noinput", "-v0")
+    run_manage(root, env, "migrate", "--noinput", "-v0")
     weights = folder / "weights"
     weights.mkdir()
-    manage(env, "shell", "-c", "from tests.factories import make_model; "
-                               f"make_model('fake', path={str(weights)!r})")
+    run_manage(root, env, "shell", "-c", "from tests.factories import make_model; "
+                                         f"make_model('fake', path={str(weights)!r})")
     if vllm:
-        manage(env, "import_demo_model")
-        manage(env, "ensure_demo_deployment")
+        run_manage(root, env, "import_demo_model")
+        run_manage(root, env, "ensure_demo_deployment")
     return env
 
 
@@ -157,56 +188,80 @@ def cpu_of(processes: list[psutil.Process]) -> float:
     return total
 
 
-def measure(pid: int, seconds: float) -> tuple[float, float, dict[int, float]]:
-    """% of one core used over `seconds` by process `pid`, by its helper processes, and
-    per thread id of `pid`."""
-    process = psutil.Process(pid)
-    helpers = helpers_of(pid)
-    before_threads = {t.id: t.user_time + t.system_time for t in process.threads()}
-    before, before_helpers = cpu_of([process]), cpu_of(helpers)
+def measure(pids: list[int], seconds: float
+            ) -> list[tuple[float, float, dict[int, float]]]:
+    """Per process, over the same `seconds`: % of one core used by it, by its helper
+    processes, and per thread id."""
+    processes = [psutil.Process(pid) for pid in pids]
+    helpers = [helpers_of(pid) for pid in pids]
+    before_threads = [{t.id: t.user_time + t.system_time for t in p.threads()}
+                      for p in processes]
+    before = [(cpu_of([p]), cpu_of(h)) for p, h in zip(processes, helpers, strict=True)]
     started = time.monotonic()
     time.sleep(seconds)  # the measurement window itself: nothing to wait for
-    after, after_helpers = cpu_of([process]), cpu_of(helpers)
+    after = [(cpu_of([p]), cpu_of(h)) for p, h in zip(processes, helpers, strict=True)]
     elapsed = time.monotonic() - started
-    after_threads = {t.id: t.user_time + t.system_time for t in process.threads()}
-    threads = {tid: (spent - before_threads.get(tid, 0.0)) / elapsed * 100
-               for tid, spent in after_threads.items()}
-    return ((after - before) / elapsed * 100, (after_helpers - before_helpers) / elapsed * 100,
-            threads)
+    out = []
+    for process, was, now, threads_before in zip(processes, before, after, before_threads,
+                                                 strict=True):
+        threads = {t.id: (t.user_time + t.system_time - threads_before.get(t.id, 0.0))
+                   / elapsed * 100 for t in process.threads()}
+        out.append(((now[0] - was[0]) / elapsed * 100, (now[1] - was[1]) / elapsed * 100,
+                    threads))
+    return out
 
 
-def report(label: str, pid: int, seconds: float) -> float:
+def report(label: str, planes: dict[str, Plane], seconds: float) -> dict[str, float]:
+    """Measure every plane over the same window; print each one's figure and threads."""
     # Let the start-up settle (first passes, imports, connection pools) before measuring.
     time.sleep(min(10.0, seconds / 3))
-    serve, helpers, threads = measure(pid, seconds)
-    total = serve + helpers
-    print(f"{label}: {total:.2f}% of one core over {seconds:.0f} s (serve {serve:.2f}%, "
-          f"its helper processes {helpers:.2f}%)", flush=True)
-    for tid, percent in sorted(threads.items(), key=lambda item: -item[1])[:6]:
-        name = "event loop (main thread)" if tid == pid else f"thread {tid}"
-        print(f"    {name}: {percent:.2f}%", flush=True)
-    return total
+    pids = [plane.process.pid for plane in planes.values()]
+    figures = {}
+    for (name, plane), (serve, helpers, threads) in zip(planes.items(), measure(pids, seconds),
+                                                        strict=True):
+        total = figures[name] = serve + helpers
+        print(f"{label}, {name}: {total:.2f}% of one core over {seconds:.0f} s (serve "
+              f"{serve:.2f}%, its helper processes {helpers:.2f}%)", flush=True)
+        for tid, percent in sorted(threads.items(), key=lambda item: -item[1])[:4]:
+            thread = ("event loop (main thread)" if tid == plane.process.pid
+                      else f"thread {tid}")
+            print(f"    {thread}: {percent:.2f}%", flush=True)
+    return figures
 
 
 def idle_cases(options: argparse.Namespace) -> list[tuple[str, float]]:
-    folder = Path(tempfile.mkdtemp(prefix="idle-cpu-bench-"))
-    plane = start_plane(folder, vllm=options.vllm)
+    """One plane (this checkout), or with --compare-with two side by side, measured over
+    the same windows: one deployment, then three."""
+    roots = {"this": ROOT}
+    if options.compare_with:
+        roots["other"] = Path(options.compare_with).resolve()
+    planes: dict[str, Plane] = {}
     figures = []
     try:
+        for name, root in roots.items():
+            folder = Path(tempfile.mkdtemp(prefix="idle-cpu-bench-"))
+            planes[name] = start_plane(folder, vllm=options.vllm, root=root)
         first = ["smollm2"] if options.vllm else ["idle-1"]
-        if not options.vllm:
-            add_fake_deployment(plane, "idle-1")
-        wait_ready(plane, first, 600 if options.vllm else 120)
+        for plane in planes.values():
+            if not options.vllm:
+                add_fake_deployment(plane, "idle-1")
+        for plane in planes.values():
+            wait_ready(plane, first, 600 if options.vllm else 120)
         kind = "the demo deployment (real vLLM)" if options.vllm else "1 fake deployment"
-        figures.append((kind, report(f"idle, {kind}", plane.process.pid, options.seconds)))
+        measured = report(f"idle, {kind}", planes, options.seconds)
+        figures.append((kind, measured["this"]))
         more = ["idle-2", "idle-3"]
-        for name in more:
-            add_fake_deployment(plane, name)
-        wait_ready(plane, [*first, *more], 120)
+        for plane in planes.values():
+            for name in more:
+                add_fake_deployment(plane, name)
+        for plane in planes.values():
+            wait_ready(plane, [*first, *more], 120)
         label = f"3 deployments ({kind} + 2 fake)" if options.vllm else "3 fake deployments"
-        figures.append((label, report(f"idle, {label}", plane.process.pid, options.seconds)))
+        measured = report(f"idle, {label}", planes, options.seconds)
+        figures.append((label, measured["this"]))
     finally:
-        plane.stop()
+        for plane in planes.values():
+            plane.stop()
     return figures
 
 
@@ -277,6 +332,8 @@ def main() -> None:
     parser.add_argument("--relay-rounds", type=int, default=4)
     parser.add_argument("--relay-streams", type=int, default=128)
     parser.add_argument("--relay-only", action="store_true", help="skip the idle cases")
+    parser.add_argument("--compare-with", metavar="PATH", help="another checkout of the "
+                        "project, idle beside this one over the same windows")
     options = parser.parse_args()
     if options.relay or options.relay_only:
         relay_comparison(options)
