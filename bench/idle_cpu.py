@@ -287,6 +287,11 @@ def relay_comparison(options: argparse.Namespace) -> None:
         replica = next(r for r in planes["embedded"].api.get(
             "/api/v1/deployments/relay/")["replica_list"] if r["phase"] == "ready")
         engine = str(replica["endpoint"])
+        # Local replicas demand their deployment's engine key, as the gateway sends it.
+        engine_key = run_manage(ROOT, planes["embedded"].env, "shell", "-c", (
+            "from controlplane.models import Deployment; "
+            "print(Deployment.objects.get(name='relay').upstream_key())")
+            ).stdout.strip().splitlines()[-1]
         streams, tokens = options.relay_streams, 128
         cpu = {name: 0.0 for name in planes}
         events = {name: 0 for name in planes}
@@ -294,9 +299,11 @@ def relay_comparison(options: argparse.Namespace) -> None:
         direct: list[float] = []
         for plane in planes.values():  # warm connection pools at this concurrency
             asyncio.run(load(plane.api.url, "relay", streams, 8, plane.api.key, 1))
-        for _ in range(options.relay_rounds):
-            direct += asyncio.run(load(engine, "relay", streams, tokens, None, 1)).ttfts
-            for name, plane in planes.items():
+        for number in range(options.relay_rounds):
+            direct += asyncio.run(load(engine, "relay", streams, tokens, engine_key, 1)).ttfts
+            # The two layouts take turns going first, so neither always follows the other.
+            order = list(planes.items())
+            for name, plane in order if number % 2 == 0 else reversed(order):
                 process = psutil.Process(plane.process.pid)
                 before = sum(process.cpu_times()[:2])
                 run = asyncio.run(load(plane.api.url, "relay", streams, tokens,
