@@ -165,13 +165,14 @@ def wait_ready(plane: Plane, names: list[str], timeout: float) -> None:
 
 
 def helpers_of(pid: int) -> list[psutil.Process]:
-    """The serve process's own child processes (the metrics parser), not its replicas
-    (whose environment carries the local backend's replica marker)."""
+    """The serve process's own child processes (the metrics parser), not its replicas:
+    a process whose environment carries the local backend's replica marker is left out
+    with everything below it (vLLM's engine core and workers do not carry it)."""
     found = []
-    for child in psutil.Process(pid).children(recursive=True):
+    for child in psutil.Process(pid).children():
         try:
             if "FLEETPLANE_REPLICA" not in child.environ():
-                found.append(child)
+                found += [child, *helpers_of(child.pid)]
         except psutil.Error:
             continue
     return found
