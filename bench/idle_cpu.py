@@ -1,10 +1,12 @@
 """Idle CPU of the control plane: `manage.py serve` as `make run` starts it (the embedded
 default: gateway, controllers and collector in one process, the development settings,
 SQLite), its deployments ready, no traffic at all. The figure is the serve process's
-user + system CPU time over a window (psutil), as a percentage of one core; the CPU of the
-replicas themselves is not counted. Each case prints a per-thread breakdown (psutil's
-per-thread times; the thread whose id is the process id runs the event loop, the others are
-worker threads of `asyncio.to_thread`, the usage writer, the metrics parser's helpers...).
+user + system CPU time over a window (psutil), plus its own helper processes' (the metrics
+parser), as a percentage of one core; the replicas' processes (and their children: vLLM's
+engine core and workers) are not counted. Each case prints a per-thread breakdown
+(psutil's per-thread times; the thread whose id is the process id runs the event loop, the
+others are mostly the worker threads of `asyncio.to_thread`: reconcile passes, the
+collector's and autoscaler's database reads).
 
 Replicas are FAKE engines by default (fakes/engine.py started by the local backend through
 fakes/vllm_cli.stand_in_python: a real process per replica, a real /metrics to scrape);
@@ -12,13 +14,18 @@ fakes/vllm_cli.stand_in_python: a real process per replica, a real /metrics to s
 ensure_demo_deployment: one real vLLM CPU replica, a minute or two to be ready) and adds
 fake deployments beside it for the three-deployment case.
 
-With `--relay` it also measures whether the controllers' threads hurt the relay: the same
-paced load (the fake engine, 10 ms/token, 128 streams) sent in interleaved rounds to
-`serve` (embedded) and to `serve --no-controllers` with `run_controllers` in a separate
-process, both over the same replicas, comparing added TTFT p50 and CPU per relayed event
-of the gateway process.
+With `--compare-with PATH` (another checkout of the project, same .venv) that checkout's
+server runs beside this one and both are measured over the same windows.
 
-    .venv/bin/python bench/idle_cpu.py [--seconds 60] [--vllm] [--relay]
+With `--relay` (or `--relay-only`) it also measures whether the controllers' threads hurt
+the relay: two planes, each with one fake replica (10 ms/token) and the same private
+`redis-server`: `serve` (embedded) and `serve --no-controllers` with `run_controllers` in a
+separate process. 128 streams, direct to the embedded plane's replica then through each
+layout (taking turns going first), in interleaved rounds: added TTFT p50/p99 and CPU per
+relayed event of the gateway process.
+
+    .venv/bin/python bench/idle_cpu.py [--seconds 60] [--vllm] [--compare-with PATH]
+                                       [--relay | --relay-only] [--relay-rounds 4]
 
 The last line is the worst idle figure against the target (under 3% of one core).
 """
