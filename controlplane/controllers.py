@@ -93,15 +93,10 @@ async def run_autoscaler(stop: asyncio.Event) -> None:
         finally:
             _end_of_work()
 
-    loop = asyncio.get_running_loop()
     while not stop.is_set():
-        # Every interval, or at once when a request starts waiting for a deployment at zero.
-        deadline = loop.time() + settings.SCRAPE_INTERVAL
-        while not stop.is_set() and not demand.arrived.is_set() and loop.time() < deadline:
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=0.05)
-            except TimeoutError:
-                pass
+        # Every interval, or at once when a request starts waiting for a deployment at zero
+        # (woken by the event, not by looking at it every few milliseconds).
+        await demand.arrived.wait_async(settings.SCRAPE_INTERVAL, stop)
         if stop.is_set():
             break
         demand.arrived.clear()
@@ -146,13 +141,6 @@ async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval:
 
 
 async def _wait_for_next(stop: asyncio.Event, interval: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + interval
-    while not stop.is_set() and not reconcile_requested.is_set():
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            return
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=min(remaining, 0.05))
-        except TimeoutError:
-            continue
+    """Until the interval has passed, a pass is asked for, or `stop` is set: woken by the
+    events themselves, so an idle control plane sleeps between passes."""
+    await reconcile_requested.wait_async(interval, stop)

@@ -1,16 +1,18 @@
 """Wake-ups for the controllers: a change asks for a reconcile pass now instead of at the
 next interval.
 
-A leaf module (it imports nothing of controlplane/), so that services, backends and the
-controllers' loop can all import it at the top without an import circle.
+A leaf module (it imports nothing of controlplane/, only the leaf serving/wakeup.py), so
+that services, backends and the controllers' loop can all import it at the top without an
+import circle.
 """
 
 from __future__ import annotations
 
-import threading
+from serving.wakeup import Wakeup
 
-#: Set when a pass is wanted now; cleared by the controllers' loop as a pass starts.
-reconcile_requested = threading.Event()
+#: Set when a pass is wanted now; cleared by the controllers' loop as a pass starts. The
+#: loop waits on it (`wait_async`) between passes, woken at once by `set()`.
+reconcile_requested = Wakeup()
 
 
 def request_reconcile() -> None:

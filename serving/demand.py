@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from serving.metrics import COLD_START_WAITING, child
+from serving.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class Demand:
         self._lock = threading.Lock()
         self._waiting: dict[str, int] = {}
         #: Set when a request starts waiting: an autoscaler in this process decides at once.
-        self.arrived = threading.Event()
+        self.arrived = Wakeup()
 
     def add(self, deployment: str, count: int) -> int:
         """Count requests starting (+) or ending (-) a wait; returns the count."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +19,9 @@ if TYPE_CHECKING:
     from controlplane.metrics.targets import Target
 
 logger = logging.getLogger(__name__)
+
+#: How long a replica's process group (its pid and children) is taken as known.
+GROUP_REFRESH_SECONDS = 30.0
 
 DCGM = {
     "DCGM_FI_DEV_GPU_UTIL": "gpu_util",
@@ -60,6 +65,38 @@ def process_group(pid: int) -> list[int]:
         return [pid] + [child.pid for child in parent.children(recursive=True)]
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return []
+
+
+class ProcessGroups:
+    """Each replica's process group, looked up again every GROUP_REFRESH_SECONDS or when
+    one of its processes has gone: finding children reads every process of the machine
+    (/proc), which every pass for every replica made the largest part of an idle
+    collector's time, while a replica's processes are started once, before it is ready."""
+
+    def __init__(self, refresh: float = GROUP_REFRESH_SECONDS) -> None:
+        self.refresh = refresh
+        self.groups: dict[int, tuple[list[int], float]] = {}
+
+    def of(self, pid: int, now: float | None = None) -> list[int]:
+        """The pids of `pid`'s group (itself first), fresh within `refresh` seconds."""
+        now = time.monotonic() if now is None else now
+        known = self.groups.get(pid)
+        if known is not None and now - known[1] < self.refresh and all(
+                pid_alive(member) for member in known[0]):
+            return known[0]
+        group = process_group(pid)
+        self.groups[pid] = (group, now)
+        return group
+
+    def keep_only(self, pids: set[int]) -> None:
+        """Forget the groups of replicas no longer scraped."""
+        for gone in set(self.groups) - pids:
+            del self.groups[gone]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one stat of /proc, no scan)."""
+    return os.path.exists(f"/proc/{pid}") if os.path.isdir("/proc") else True
 
 
 class Nvml:
@@ -128,6 +165,7 @@ class Accelerators:
 
     def __init__(self) -> None:
         self.processes: dict[int, Any] = {}
+        self.groups = ProcessGroups()
         self.nvml: Nvml | None = None
 
     async def figures(self, targets: list[Target],
@@ -155,7 +193,8 @@ class Accelerators:
             return out
         if self.nvml is None:
             self.nvml = await asyncio.to_thread(Nvml)
-        groups = {t.name: process_group(t.pid) for t in local if t.pid}
+        self.groups.keep_only({t.pid for t in local if t.pid})
+        groups = {t.name: self.groups.of(t.pid) for t in local if t.pid}
         for target in local:
             pids = groups.get(target.name) or []
             gpu = self.nvml.figures(set(pids)) if self.nvml.ready else None

@@ -1,0 +1,60 @@
+"""`Wakeup`: a `threading.Event` that an event loop can wait on without polling. A thread
+(a request handler, a reconcile pass, a service function) sets it; a loop waiting in
+`wait_async` is woken at once through `call_soon_threadsafe`. The controllers' loops wait
+on these between passes instead of looking at the event every few milliseconds, so an idle
+control plane does not wake up for nothing (docs/benchmarks.md, idle CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class Wakeup(threading.Event):
+    """A threading.Event whose `set()` also wakes the event loops waiting in
+    `wait_async`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+
+    def set(self) -> None:
+        super().set()
+        with self._lock:
+            waiters = list(self._waiters)
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # that loop has closed meanwhile
+                loop.call_soon_threadsafe(_resolve, future)
+
+    async def wait_async(self, timeout: float, stop: asyncio.Event | None = None) -> bool:
+        """Wait until the event is set, `stop` is set, or `timeout` seconds have passed;
+        returns whether the event is set."""
+        if self.is_set():
+            return True
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        entry = (loop, future)
+        with self._lock:
+            self._waiters.add(entry)
+        stopping = None
+        if stop is not None:
+            stopping = loop.create_task(stop.wait())
+            stopping.add_done_callback(lambda _: _resolve(future))
+        try:
+            if not self.is_set():  # not set between the first look and the registration
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, timeout)):
+                        await future
+        finally:
+            with self._lock:
+                self._waiters.discard(entry)
+            if stopping is not None:
+                stopping.cancel()
+        return self.is_set()
