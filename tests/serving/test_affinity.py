@@ -6,6 +6,7 @@ FAKE engines (fakes/engine.py), each counting the requests it served."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable
@@ -42,8 +43,14 @@ def served(engines: list[FakeEngine]) -> list[int]:
     return [int(engine.metric("fake:requests_total")) for engine in engines]
 
 
+# Each test's replicas have names of their own: the gateway's view of a replica's load is
+# kept by name, and a previous test's replica of the same name may still count as busy.
+SERIAL = itertools.count(1)
+
+
 def three(fake_engines: Engines) -> list[FakeEngine]:
-    return [fake_engines(f"affinity-{n}", interval_ms=1) for n in (1, 2, 3)]
+    serial = next(SERIAL)
+    return [fake_engines(f"affinity-{serial}-{n}", interval_ms=1) for n in (1, 2, 3)]
 
 
 def test_the_same_user_field_lands_on_one_replica(gateway_url: str, key: str,
