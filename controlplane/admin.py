@@ -91,11 +91,14 @@ class ReplicaAdmin(ReadOnly, admin.ModelAdmin[Replica]):
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(ReadOnly, admin.ModelAdmin[AuditEvent]):
-    list_display = ("at", "actor", "action", "deployment", "replica_name", "shown_message")
+    list_display = ("last_seen", "count", "at", "actor", "action", "deployment",
+                    "replica_name", "shown_message")
     list_filter = ("action", "actor")
     search_fields = ("action", "replica_name")
-    fields = ("at", "actor", "action", "deployment", "replica_name", "shown_message",
-              "shown_before", "shown_after")
+    # An estimate, not a COUNT(*) over the whole log, under the filters' totals.
+    show_full_result_count = False
+    fields = ("at", "last_seen", "count", "actor", "action", "deployment", "replica_name",
+              "shown_message", "shown_before", "shown_after")
     readonly_fields = fields
 
     @admin.display(description="message")
