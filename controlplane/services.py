@@ -15,11 +15,11 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 
 from access.redaction import keep_redacted, redact
+from controlplane.audit_log import record_event
 from controlplane.autoscaler.policy import Policy, PolicyError
 from controlplane.backends.base import validate_backend_config
 from controlplane.backends.k8s_names import object_name
 from controlplane.engine_args import engine_args_misfit, validate_engine_args
-from controlplane.audit_log import record_event
 from controlplane.models import Backend, Deployment
 from controlplane.wakeups import request_reconcile
 from models_registry.models import Model

@@ -102,11 +102,11 @@ class BoundedCountPage(Page):
         return rows
 
     def get_next_link(self) -> str | None:
-        if not self.more:
+        if not self.more or self.request is None or self.limit is None:
             return None
         url = self.request.build_absolute_uri()
         url = replace_query_param(url, self.limit_query_param, self.limit)
-        return replace_query_param(url, self.offset_query_param, self.offset + self.limit)
+        return replace_query_param(url, self.offset_query_param, (self.offset or 0) + self.limit)
 
     def get_paginated_response(self, data: Any) -> Response:
         return Response({"count": self.count, "count_capped": self.count_capped,

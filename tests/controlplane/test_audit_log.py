@@ -255,11 +255,11 @@ def test_the_events_count_is_bounded_and_paging_goes_on_past_it(
     for number in range(8):
         audit("reconciler", "replica-unreachable", deployment, f"probe {number}")
     with CaptureQueriesContext(connection) as queries:
-        page = admin_client.get(url, {**only, "limit": 3}).json()
+        page = admin_client.get(url, {**only, "limit": "3"}).json()
     assert (page["count"], page["count_capped"]) == (5, True)
     counts = [q["sql"] for q in queries if "COUNT(" in q["sql"]]
     assert counts and all("LIMIT 6" in sql for sql in counts)
-    last = admin_client.get(url, {**only, "limit": 3, "offset": 6}).json()
+    last = admin_client.get(url, {**only, "limit": "3", "offset": "6"}).json()
     assert [e["message"] for e in last["results"]] == ["probe 1", "probe 0"]
     assert last["next"] is None and "offset=3" in last["previous"]
     assert "offset=3" in page["next"]
