@@ -276,3 +276,21 @@ def test_the_deployment_page_shows_each_event_with_its_count(client: Any,
     html = client.get("/deployments/chat/").content.decode()
     assert '<td class="count">3</td>' in html
     assert "Last seen" in html
+
+
+def test_the_admin_lists_events_with_their_count_without_counting_the_whole_log(
+        client: Any, deployment: Any, settings: Any) -> None:
+    from django.contrib.auth import get_user_model
+
+    settings.EVENT_COALESCE_SECONDS, settings.EVENTS_COUNT_LIMIT = 0, 5
+    client.force_login(get_user_model().objects.create_superuser("root", password="pw-tests"))
+    for number in range(7):
+        audit("reconciler", "replica-unreachable", deployment, f"probe {number}")
+    settings.EVENT_COALESCE_SECONDS = 600
+    unreachable(deployment)
+    unreachable(deployment)
+    with CaptureQueriesContext(connection) as queries:
+        html = client.get("/admin/controlplane/auditevent/").content.decode()
+    counts = [q["sql"] for q in queries if "COUNT(" in q["sql"] and "auditevent" in q["sql"]]
+    assert counts and all("LIMIT 6" in sql for sql in counts)
+    assert '<td class="field-count">2</td>' in html
