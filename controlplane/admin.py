@@ -99,7 +99,7 @@ class BoundedCountPaginator(Paginator):
     @cached_property
     def count(self) -> int:
         cap = int(settings.EVENTS_COUNT_LIMIT)
-        return min(self.object_list[:cap + 1].count(), cap)  # type: ignore[union-attr]
+        return min(self.object_list[:cap + 1].count(), cap)  # type: ignore[attr-defined]
 
 
 @admin.register(AuditEvent)
