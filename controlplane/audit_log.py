@@ -65,7 +65,10 @@ def same_event_key(actor: str, action: str, deployment: Deployment | None, repli
     after, and the message with its standalone numbers set aside."""
     parts = [actor, action, deployment.pk if deployment else None, replica,
              _NUMBER.sub("#", message), before, after]
-    return hashlib.sha256(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    # Values are JSON-like already (they are stored in JSON fields); str() covers the rest.
+    encoded = orjson.dumps(parts, default=str,
+                           option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+    return hashlib.sha256(encoded).hexdigest()
 
 
 def record_event(actor: str, action: str, deployment: Deployment | None, replica: str,

@@ -294,3 +294,17 @@ def test_the_admin_lists_events_with_their_count_without_counting_the_whole_log(
     counts = [q["sql"] for q in queries if "COUNT(" in q["sql"] and "auditevent" in q["sql"]]
     assert counts and all("LIMIT 6" in sql for sql in counts)
     assert '<td class="field-count">2</td>' in html
+
+
+def test_the_migration_sees_each_existing_event_once_at_its_own_time(deployment: Any) -> None:
+    import importlib
+
+    from django.apps import apps
+
+    migration = importlib.import_module("controlplane.migrations.0007_auditevent_count_last_seen")
+    unreachable(deployment)
+    written = timezone.now() - timedelta(days=3)
+    AuditEvent.objects.update(at=written, last_seen=timezone.now())  # as before the column
+    migration.seen_when_written(apps, None)
+    event = AuditEvent.objects.get()
+    assert (event.last_seen, event.count) == (written, 1)
