@@ -146,14 +146,13 @@ class DeploymentViewSet(viewsets.ModelViewSet):
         return Response(self.representation(deployment))
 
     @extend_schema(responses=AuditEventSerializer(many=True))
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=BoundedCountPage)
     def events(self, request: Request, name: str | None = None) -> Response:
         """The deployment's audit events, last seen first, a page at a time (its count
         bounded: controlplane/api/pagination.py BoundedCountPage)."""
         events = AuditEvent.objects.filter(deployment=self.get_object())
-        paginator = BoundedCountPage()
-        page = paginator.paginate_queryset(events, request, view=self)
-        return paginator.get_paginated_response(AuditEventSerializer(page, many=True).data)
+        page = self.paginate_queryset(events)
+        return self.get_paginated_response(AuditEventSerializer(page, many=True).data)
 
 
 @extend_schema_view(list=extend_schema(parameters=[

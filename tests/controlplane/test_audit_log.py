@@ -308,3 +308,16 @@ def test_the_migration_sees_each_existing_event_once_at_its_own_time(deployment:
     migration.seen_when_written(apps, None)
     event = AuditEvent.objects.get()
     assert (event.last_seen, event.count) == (written, 1)
+
+
+def test_the_api_schema_describes_count_last_seen_and_the_capped_count(
+        admin_client: APIClient) -> None:
+    schema = admin_client.get("/api/schema/", {"format": "json"}).json()
+    paths = schema["paths"]
+    pages = {paths[url]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+             ["$ref"] for url in ("/api/v1/events/", "/api/v1/deployments/{name}/events/")}
+    assert len(pages) == 1
+    page = schema["components"]["schemas"][pages.pop().rsplit("/", 1)[1]]
+    assert page["properties"]["count_capped"]["type"] == "boolean"
+    event = schema["components"]["schemas"]["AuditEvent"]["properties"]
+    assert {"count", "last_seen", "at"} <= set(event)
