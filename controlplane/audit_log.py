@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, connection
 from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
@@ -135,7 +135,8 @@ def _sweep() -> int:
     try:
         return prune_events()
     finally:
-        close_old_connections()
+        # Once an hour: the worker thread need not keep a connection open till the next.
+        connection.close()
 
 
 async def run_event_pruning(stop: asyncio.Event) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
-from django.db import close_old_connections, connection
+from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -125,7 +125,7 @@ def test_two_writers_coalescing_at_once_lose_no_occurrence(deployment: Any) -> N
         except BaseException as error:  # the assertion below names it
             errors.append(error)
         finally:
-            close_old_connections()
+            connection.close()  # this thread's own connection
 
     threads = [threading.Thread(target=write, args=(40,)) for _ in range(2)]
     for thread in threads:
