@@ -2,14 +2,17 @@
 deployments and the audit log are made and changed through the REST API (and the
 deployment pages), which check them against the install's allow-lists and engine-args
 validation, keep masked secrets and write the audit log; an edit here would skip all of
-that, and an audit event is never changed or deleted. Nothing shown here carries a secret
-(access/redaction.py)."""
+that, and an audit event is never changed or deleted here (only its retention removes it:
+controlplane/audit_log.py). Nothing shown here carries a secret (access/redaction.py)."""
 
 from __future__ import annotations
 
 import json
+from functools import cached_property
 
+from django.conf import settings
 from django.contrib import admin
+from django.core.paginator import Paginator
 
 from access.redaction import redact, redact_text, redact_url
 from controlplane.models import AuditEvent, Backend, Deployment, Replica
@@ -89,13 +92,27 @@ class ReplicaAdmin(ReadOnly, admin.ModelAdmin[Replica]):
         return redact_text(replica.last_error or "")
 
 
+class BoundedCountPaginator(Paginator):
+    """Counts up to EVENTS_COUNT_LIMIT rows, not the whole audit log: the pages past it are
+    reached by narrowing the list (filters, search), as in the events API."""
+
+    @cached_property
+    def count(self) -> int:
+        cap = int(settings.EVENTS_COUNT_LIMIT)
+        return min(self.object_list[:cap + 1].count(), cap)  # type: ignore[attr-defined]
+
+
 @admin.register(AuditEvent)
 class AuditEventAdmin(ReadOnly, admin.ModelAdmin[AuditEvent]):
-    list_display = ("at", "actor", "action", "deployment", "replica_name", "shown_message")
+    list_display = ("last_seen", "count", "at", "actor", "action", "deployment",
+                    "replica_name", "shown_message")
     list_filter = ("action", "actor")
     search_fields = ("action", "replica_name")
-    fields = ("at", "actor", "action", "deployment", "replica_name", "shown_message",
-              "shown_before", "shown_after")
+    # Neither the unfiltered total nor a page count of the whole log is counted in full.
+    show_full_result_count = False
+    paginator = BoundedCountPaginator
+    fields = ("at", "last_seen", "count", "actor", "action", "deployment", "replica_name",
+              "shown_message", "shown_before", "shown_after")
     readonly_fields = fields
 
     @admin.display(description="message")

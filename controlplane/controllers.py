@@ -17,6 +17,7 @@ from django.conf import settings
 from django.db import close_old_connections, reset_queries
 
 from controlplane import collector, liveness
+from controlplane.audit_log import run_event_pruning
 from controlplane.autoscaler.runner import Autoscaler
 from controlplane.leader import LeaseElection
 from controlplane.outages import DatabaseOutage
@@ -75,10 +76,11 @@ async def _run(stop: asyncio.Event) -> None:
     logger.info("controllers running (reconcile every %.1f s)", interval)
     collecting = asyncio.get_running_loop().create_task(collector.run_collector(stop))
     autoscaler = asyncio.get_running_loop().create_task(run_autoscaler(stop))
+    pruning = asyncio.get_running_loop().create_task(run_event_pruning(stop))
     try:
         await _reconcile_loop(reconciler, stop, interval)
     finally:
-        await asyncio.gather(collecting, autoscaler, return_exceptions=True)
+        await asyncio.gather(collecting, autoscaler, pruning, return_exceptions=True)
 
 
 async def run_autoscaler(stop: asyncio.Event) -> None:

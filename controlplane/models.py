@@ -176,9 +176,15 @@ class Replica(models.Model):
 
 
 class AuditEvent(models.Model):
-    """Who changed what, and what the controllers did and saw."""
+    """Who changed what, and what the controllers did and saw. An event that repeats within
+    EVENT_COALESCE_SECONDS is one row (controlplane/audit_log.py): `at` is when it was first
+    seen, `last_seen` the latest time, `count` how many times, `message` the latest wording."""
 
     at = models.DateTimeField(default=timezone.now, db_index=True)
+    last_seen = models.DateTimeField(default=timezone.now)
+    count = models.PositiveIntegerField(default=1)
+    # What makes two events the same one (a digest, controlplane/audit_log.py:same_event_key).
+    key = models.CharField(max_length=64, blank=True, default="", editable=False)
     actor = models.CharField(max_length=150)
     action = models.CharField(max_length=100)
     deployment = models.ForeignKey(Deployment, on_delete=models.SET_NULL, null=True,
@@ -189,7 +195,13 @@ class AuditEvent(models.Model):
     after = models.JSONField(null=True, blank=True)
 
     class Meta:
-        ordering = ["-at", "-id"]
+        ordering = ["-last_seen", "-id"]
+        indexes = [
+            models.Index(fields=["key", "last_seen"], name="auditevent_key_seen"),
+            models.Index(fields=["-last_seen", "-id"], name="auditevent_seen"),
+            models.Index(fields=["deployment", "-last_seen", "-id"],
+                         name="auditevent_deployment_seen"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action}"

@@ -15,11 +15,12 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 
 from access.redaction import keep_redacted, redact
+from controlplane.audit_log import record_event
 from controlplane.autoscaler.policy import Policy, PolicyError
 from controlplane.backends.base import validate_backend_config
 from controlplane.backends.k8s_names import object_name
 from controlplane.engine_args import engine_args_misfit, validate_engine_args
-from controlplane.models import AuditEvent, Backend, Deployment
+from controlplane.models import Backend, Deployment
 from controlplane.wakeups import request_reconcile
 from models_registry.models import Model
 
@@ -55,11 +56,12 @@ def ensure_local_admin() -> tuple[str, str | None]:
 
 def audit(actor: str, action: str, deployment: Deployment | None, message: str,
           before: Any = None, after: Any = None, *, replica: str = "") -> None:
-    """Record who changed what, or what a controller did and saw. Secrets never reach the
-    log: every value passes through redaction (access/redaction.py) on the way in."""
-    AuditEvent.objects.create(actor=actor, action=action, deployment=deployment,
-                              replica_name=replica, message=redact(message),
-                              before=redact(before), after=redact(after))
+    """Record who changed what, or what a controller did and saw; a repeat of an event
+    seen within EVENT_COALESCE_SECONDS is counted on it (controlplane/audit_log.py).
+    Secrets never reach the log: every value passes through redaction
+    (access/redaction.py) on the way in."""
+    record_event(actor, action, deployment, replica, redact(message), redact(before),
+                 redact(after))
 
 
 def spec_of(deployment: Deployment) -> dict[str, Any]:

@@ -228,6 +228,15 @@ HEALTH_RECORD_SECONDS = env_int("HEALTH_RECORD_SECONDS", 10, minimum=1)
 HEALTH_FAILURE_SECONDS = env_int("HEALTH_FAILURE_SECONDS", 30, minimum=1)
 DRAIN_TIMEOUT_SECONDS = env_int("DRAIN_TIMEOUT_SECONDS", 30, minimum=0)
 STOP_GRACE_SECONDS = env_int("STOP_GRACE_SECONDS", 15, minimum=1)
+# The audit log: an event identical to one seen within EVENT_COALESCE_SECONDS (0: never)
+# adds to that row's count; rows last seen longer ago than AUDIT_RETENTION_DAYS are pruned
+# every AUDIT_PRUNE_INTERVAL_SECONDS, security events (keys, users, teams, backends) after
+# AUDIT_SECURITY_RETENTION_DAYS. EVENTS_COUNT_LIMIT caps the `count` of an events page.
+EVENT_COALESCE_SECONDS = env_int("EVENT_COALESCE_SECONDS", 600, minimum=0, maximum=86_400)
+AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS", 30, minimum=1)
+AUDIT_SECURITY_RETENTION_DAYS = env_int("AUDIT_SECURITY_RETENTION_DAYS", 365, minimum=1)
+AUDIT_PRUNE_INTERVAL_SECONDS = env_int("AUDIT_PRUNE_INTERVAL_SECONDS", 3600, minimum=1)
+EVENTS_COUNT_LIMIT = env_int("EVENTS_COUNT_LIMIT", 10_000, minimum=1)
 # One active controller among several: `kubernetes` elects it through a Lease (the
 # controller Deployment in deploy/ sets it); `none`: this process always runs them.
 LEADER_ELECTION = env_choice("LEADER_ELECTION", "none", ("none", "kubernetes"))

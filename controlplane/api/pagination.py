@@ -10,9 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.db.models import QuerySet
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.utils.urls import replace_query_param
 
 from access.strict_json import unstorable_text
 
@@ -70,3 +73,51 @@ class Page(LimitOffsetPagination):
              "description": "rows to skip", "schema": {"type": "integer", "minimum": 0,
                                                        "maximum": MAX_OFFSET}},
         ]
+
+
+class BoundedCountPage(Page):
+    """For tables that grow without bound (the audit log): the page is read with one row
+    more to know whether another follows, and `count` is counted up to EVENTS_COUNT_LIMIT
+    only (a COUNT over a LIMIT subquery); past it, `count` is the limit and `count_capped`
+    is true. A first page that holds every row needs no count query at all."""
+
+    count_capped = False
+
+    def paginate_queryset(self, queryset: QuerySet[Any], request: Request,
+                          view: Any = None) -> list[Any]:
+        self.request = request
+        self.limit = self.get_limit(request)
+        self.offset = self.get_offset(request)
+        rows = list(queryset[self.offset:self.offset + self.limit + 1])
+        self.more = len(rows) > self.limit
+        rows = rows[:self.limit]
+        if self.offset == 0 and not self.more:
+            self.count = len(rows)
+        else:
+            cap = int(settings.EVENTS_COUNT_LIMIT)
+            counted = queryset.order_by()[:cap + 1].count()
+            self.count_capped = counted > cap
+            self.count = min(counted, cap)
+        self.display_page_controls = self.offset > 0 or self.more
+        return rows
+
+    def get_next_link(self) -> str | None:
+        if not self.more or self.request is None or self.limit is None:
+            return None
+        url = self.request.build_absolute_uri()
+        url = replace_query_param(url, self.limit_query_param, self.limit)
+        return replace_query_param(url, self.offset_query_param, (self.offset or 0) + self.limit)
+
+    def get_paginated_response(self, data: Any) -> Response:
+        return Response({"count": self.count, "count_capped": self.count_capped,
+                         "next": self.get_next_link(), "previous": self.get_previous_link(),
+                         "results": data})
+
+    def get_paginated_response_schema(self, schema: dict[str, Any]) -> dict[str, Any]:
+        paged = super().get_paginated_response_schema(schema)
+        paged["properties"]["count"]["description"] = (
+            f"rows in all, counted up to EVENTS_COUNT_LIMIT "
+            f"({settings.EVENTS_COUNT_LIMIT})")
+        paged["properties"]["count_capped"] = {
+            "type": "boolean", "description": "true: there are more rows than `count`"}
+        return paged

@@ -148,8 +148,8 @@ class AuditEventSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = AuditEvent
-        fields = ["at", "actor", "action", "deployment", "replica_name", "message", "before",
-                  "after"]
+        fields = ["at", "last_seen", "count", "actor", "action", "deployment", "replica_name",
+                  "message", "before", "after"]
         read_only_fields = fields
 
     def to_representation(self, instance: AuditEvent) -> dict[str, Any]:

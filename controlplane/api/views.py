@@ -21,7 +21,7 @@ from rest_framework.response import Response
 
 from access.roles import actor_of
 from controlplane import services
-from controlplane.api.pagination import count_param, single_param
+from controlplane.api.pagination import BoundedCountPage, count_param, single_param
 from controlplane.api.serializers import (
     AuditEventSerializer,
     BackendSerializer,
@@ -146,9 +146,10 @@ class DeploymentViewSet(viewsets.ModelViewSet):
         return Response(self.representation(deployment))
 
     @extend_schema(responses=AuditEventSerializer(many=True))
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=BoundedCountPage)
     def events(self, request: Request, name: str | None = None) -> Response:
-        """The deployment's audit events, newest first, a page at a time."""
+        """The deployment's audit events, last seen first, a page at a time (its count
+        bounded: controlplane/api/pagination.py BoundedCountPage)."""
         events = AuditEvent.objects.filter(deployment=self.get_object())
         page = self.paginate_queryset(events)
         return self.get_paginated_response(AuditEventSerializer(page, many=True).data)
@@ -218,10 +219,12 @@ def not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
     OpenApiParameter("actor", str, description="who did it: a username, `system`, ...")]))
 class EventViewSet(viewsets.ReadOnlyModelViewSet):
     """The audit log (admins): what changed, who changed it, before and after, and what
-    the controllers did. Filter with `?deployment=<name>`, `?action=<action>` (e.g.
+    the controllers did; a repeated event is one entry with its `count` and `last_seen`,
+    last seen first. Filter with `?deployment=<name>`, `?action=<action>` (e.g.
     key-created, user-role-changed, model-deleted), `?actor=<name>`."""
 
     serializer_class = AuditEventSerializer
+    pagination_class = BoundedCountPage
     read_role = "admin"
     lookup_value_regex = "[0-9]+"
 
