@@ -17,7 +17,8 @@ process listens there: every probe is refused at once, nothing times out). Then 
 - restart-to-routable: `serve` and its children killed with SIGKILL, started again, the
   time from the new process's start until a completion to an answering deployment through
   the gateway succeeds;
-- audit events written per hour, extrapolated from the idle windows;
+- audit events written per hour, extrapolated from the idle windows (which start once the
+  fleet has settled: every replica made and no audit event written for 10 s);
 - the no-change reconcile pass: the controllers expose no pass time, so it is timed here,
   in-process, as bench/reconcile_cost.py does, on the same database once every server has
   stopped (probes paced out of the timed passes; the first pass, which probes every
@@ -216,6 +217,21 @@ class Fleet:
             time.sleep(1)
         return time.monotonic() - started
 
+    def wait_settled(self, timeout: float = 600) -> float:
+        """Until every deployment has its replica and no audit event was written over the
+        last 10 s (each replica probed at least once, its first events told): the idle
+        windows measure a fleet at rest, not its convergence."""
+        from controlplane.models import Replica
+
+        started, last = time.monotonic(), -1
+        while time.monotonic() - started < timeout:
+            replicas, events = Replica.objects.count(), audit_events()
+            if replicas >= len(self.names) and events == last:
+                return time.monotonic() - started
+            last = events
+            time.sleep(10)
+        raise SystemExit(f"the fleet did not settle within {timeout:.0f} s")
+
     def stop(self) -> None:
         for engine, _ in self.engines:
             engine.kill()
@@ -358,8 +374,8 @@ def apart(fleet: Fleet, report: Report) -> None:
                                        cwd=ROOT, env=env, stdout=log,
                                        stderr=subprocess.STDOUT)
         try:
-            print(f"apart: routable after {fleet.wait_routable(fleet.product.url, 300):.1f} s",
-                  flush=True)
+            print(f"apart: routable after {fleet.wait_routable(fleet.product.url, 300):.1f} s, "
+                  f"settled after {fleet.wait_settled():.0f} s more", flush=True)
             cpu, events = idle_window({"serve": server.pid, "controllers": controllers.pid},
                                       fleet.options.idle_seconds)
             rss = {"serve": tree_rss_mib(server.pid),
@@ -422,6 +438,8 @@ def main() -> None:
                    f"{statistics.median(seconds[:tenth]) * 1000:.0f} ms (median) in the first "
                    f"tenth, {statistics.median(seconds[-tenth:]) * 1000:.0f} ms in the last")
         print(f"routable after {fleet.wait_routable(fleet.product.url, 600):.1f} s more",
+              flush=True)
+        print(f"settled (no audit event for 10 s) after {fleet.wait_settled():.0f} s more",
               flush=True)
         run_steps(fleet, report, [embedded, apart])
         no_change_pass(report)
