@@ -5,7 +5,10 @@ empty database of `--database-url`), creates `--models` models, then N external 
 N deployments through the REST API (one backend per deployment, as one endpoint each). A
 fraction (`--answering`) points at a handful of FAKE engines (fakes/engine.py, `--engines`
 processes shared by those deployments); the rest point at a closed port on 127.0.0.1 (no
-process listens there: every probe is refused at once, nothing times out). Then it measures:
+process listens there: every probe is refused at once), or with `--unanswering silent` at a
+port whose connections are never answered (every probe waits out its timeout). (A TEST-NET
+address is refused at once on the development machine, so it times nothing out there.)
+Then it measures:
 
 - idle CPU (user + system seconds of the process and its children over `--idle-seconds`,
   psutil) and RSS of `serve`; then of `serve --no-controllers` and a separate
@@ -18,7 +21,7 @@ process listens there: every probe is refused at once, nothing times out). Then 
   time from the new process's start until a completion to an answering deployment through
   the gateway succeeds;
 - audit events written per hour, extrapolated from the idle windows (which start once the
-  fleet has settled: every replica made and no audit event written for 10 s);
+  fleet has settled: every replica ready or told unreachable, no audit event for 10 s);
 - the no-change reconcile pass: the controllers expose no pass time, so it is timed here,
   in-process, as bench/reconcile_cost.py does, on the same database once every server has
   stopped (probes paced out of the timed passes; the first pass, which probes every
@@ -38,6 +41,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -145,7 +149,13 @@ class Fleet:
         self.product = ControlPlane(**extra)
         self.port = self.product.port
         self.engines = [start_any_model_engine() for _ in range(options.engines)]
-        self.closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        if options.unanswering == "silent":
+            # Listens (the kernel completes each handshake) but never accepts nor answers:
+            # every probe waits out its timeout.
+            self.silent = socket.create_server(("127.0.0.1", 0), backlog=4096)
+            self.closed = f"http://127.0.0.1:{self.silent.getsockname()[1]}"
+        else:
+            self.closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
         answering = round(options.deployments * options.answering)
         self.names = [f"fleet-{i:05d}" for i in range(options.deployments)]
         self.answering = self.names[:answering]
@@ -218,15 +228,18 @@ class Fleet:
         return time.monotonic() - started
 
     def wait_settled(self, timeout: float = 600) -> float:
-        """Until every deployment has its replica and no audit event was written over the
-        last 10 s (each replica probed at least once, its first events told): the idle
-        windows measure a fleet at rest, not its convergence."""
-        from controlplane.models import Replica
+        """Until every deployment's replica is ready or told unreachable (each probed at
+        least once; probes that time out take a while) and no audit event was written over
+        the last 10 s: the idle windows measure a fleet at rest, not its convergence."""
+        from controlplane.models import AuditEvent, Replica
 
         started, last = time.monotonic(), -1
         while time.monotonic() - started < timeout:
-            replicas, events = Replica.objects.count(), audit_events()
-            if replicas >= len(self.names) and events == last:
+            probed = Replica.objects.filter(phase=Replica.Phase.READY).count() + \
+                AuditEvent.objects.filter(action="replica-unreachable").values(
+                    "replica_name").distinct().count()
+            events = audit_events()
+            if probed >= len(self.names) and events == last:
                 return time.monotonic() - started
             last = events
             time.sleep(10)
@@ -419,6 +432,9 @@ def main() -> None:
                         help="models the deployments share (default: a tenth of them)")
     parser.add_argument("--answering", type=float, default=0.1,
                         help="fraction of deployments on answering fake engines")
+    parser.add_argument("--unanswering", choices=("refused", "silent"), default="refused",
+                        help="where the other deployments point: a closed port (refused at "
+                             "once) or a port that never answers (each probe times out)")
     parser.add_argument("--engines", type=int, default=4, help="fake engine processes")
     parser.add_argument("--idle-seconds", type=float, default=60)
     parser.add_argument("--database-url", default="",
@@ -439,8 +455,8 @@ def main() -> None:
                    f"tenth, {statistics.median(seconds[-tenth:]) * 1000:.0f} ms in the last")
         print(f"routable after {fleet.wait_routable(fleet.product.url, 600):.1f} s more",
               flush=True)
-        print(f"settled (no audit event for 10 s) after {fleet.wait_settled():.0f} s more",
-              flush=True)
+        print(f"settled (every replica ready or told unreachable, no audit event for 10 s) "
+              f"after {fleet.wait_settled():.0f} s more", flush=True)
         run_steps(fleet, report, [embedded, apart])
         no_change_pass(report)
     finally:
