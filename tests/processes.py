@@ -117,15 +117,21 @@ class Api:
         return httpx.post(self.url + path, headers=self._headers(), json=body, timeout=30)
 
     def wait_for(self, what: str, check: Any, timeout: float, interval: float = 1.0) -> Any:
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            last = check()
-            if last:
-                return last
-            time.sleep(interval)
-        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; "
-                             f"last seen: {last!r}")
+        return wait_until(what, check, timeout, interval)
+
+
+def wait_until(what: str, check: Any, timeout: float, interval: float = 0.2) -> Any:
+    """What `check()` returns once it is truthy, asked every `interval` seconds; an
+    AssertionError naming `what` and the last answer after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; "
+                         f"last seen: {last!r}")
 
 
 def end_replicas(data_dir: str) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.controlplane.reliability.traffic import running_fleet, wait_until
+from tests.controlplane.reliability.traffic import running_fleet
+from tests.processes import wait_until
 
 pytestmark = pytest.mark.slow
 

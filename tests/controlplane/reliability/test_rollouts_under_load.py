@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.controlplane.reliability.traffic import running_fleet, wait_until
-from tests.processes import Api
+from tests.controlplane.reliability.traffic import Fleet, Traffic, running_fleet
+from tests.processes import Api, wait_until
 from tests.services import private_redis
 
 pytestmark = pytest.mark.slow
@@ -23,26 +23,32 @@ DRAIN_TIMEOUT = 1
 STOP_GRACE = 2
 
 
+def restart_then_scale_down(fleet: Fleet, traffic: Traffic) -> None:
+    """Under the traffic: a rolling restart of the 2 replicas, then a scale-down to 1,
+    each once 16 more streams were answered (labelled, so failures say when)."""
+    traffic.wait_for_answers(16)
+    traffic.label = "restart"
+    restarted = fleet.api.post("/api/v1/deployments/chat/restart/")
+    assert restarted.status_code == 200, restarted.text
+    generation = restarted.json()["generation"]
+    wait_until("both replicas of the new generation and ready, the old ones gone",
+               lambda: [(r["generation"], r["phase"]) for r in fleet.replicas("chat")
+                        ] == [(generation, "ready")] * 2, 90)
+    traffic.wait_for_answers(16, "restart")
+    traffic.label = "scale-down"
+    scaled = fleet.api.post("/api/v1/deployments/chat/scale/", {"replicas": 1})
+    assert scaled.status_code == 200, scaled.text
+    wait_until("one replica left", lambda: len(fleet.replicas("chat")) == 1, 60)
+    traffic.wait_for_answers(16, "scale-down")
+
+
 def test_a_rolling_restart_and_a_scale_down_under_load_fail_no_request(
         tmp_path: Path) -> None:
     with running_fleet(tmp_path, TOKEN_INTERVAL_MS) as fleet:
         fleet.deploy("chat", 2)
         traffic = fleet.traffic("chat").start()
         try:
-            traffic.wait_for_answers(16)
-            traffic.label = "restart"
-            restarted = fleet.api.post("/api/v1/deployments/chat/restart/")
-            assert restarted.status_code == 200, restarted.text
-            generation = restarted.json()["generation"]
-            wait_until("both replicas of the new generation and ready, the old ones gone",
-                       lambda: [(r["generation"], r["phase"]) for r in fleet.replicas("chat")
-                                ] == [(generation, "ready")] * 2, 90)
-            traffic.wait_for_answers(16, "restart")
-            traffic.label = "scale-down"
-            scaled = fleet.api.post("/api/v1/deployments/chat/scale/", {"replicas": 1})
-            assert scaled.status_code == 200, scaled.text
-            wait_until("one replica left", lambda: len(fleet.replicas("chat")) == 1, 60)
-            traffic.wait_for_answers(16, "scale-down")
+            restart_then_scale_down(fleet, traffic)
         finally:
             outcomes = traffic.stop()
     failed = [o for o in outcomes if not o.ok]
@@ -114,20 +120,7 @@ def test_a_rolling_restart_fails_no_request_through_a_gateway_in_another_process
             for m in Api(gateway, fleet.api.key).get("/v1/models")["data"]), 30)
         traffic = fleet.traffic("chat", url=gateway).start()
         try:
-            traffic.wait_for_answers(16)
-            traffic.label = "restart"
-            restarted = fleet.api.post("/api/v1/deployments/chat/restart/")
-            assert restarted.status_code == 200, restarted.text
-            generation = restarted.json()["generation"]
-            wait_until("both replicas of the new generation and ready, the old ones gone",
-                       lambda: [(r["generation"], r["phase"]) for r in fleet.replicas("chat")
-                                ] == [(generation, "ready")] * 2, 90)
-            traffic.wait_for_answers(16, "restart")
-            traffic.label = "scale-down"
-            scaled = fleet.api.post("/api/v1/deployments/chat/scale/", {"replicas": 1})
-            assert scaled.status_code == 200, scaled.text
-            wait_until("one replica left", lambda: len(fleet.replicas("chat")) == 1, 60)
-            traffic.wait_for_answers(16, "scale-down")
+            restart_then_scale_down(fleet, traffic)
         finally:
             outcomes = traffic.stop()
     assert [o for o in outcomes if not o.ok] == []

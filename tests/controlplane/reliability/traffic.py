@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ from tests.processes import (
     server_env,
     start_server,
     stop_server,
+    wait_until,
 )
 
 
@@ -122,19 +123,6 @@ class Traffic:
         target = self.answered(label) + count
         wait_until(f"{count} more answered streams", lambda: self.answered(label) >= target,
                    timeout)
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout: float,
-               interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; "
-                         f"last seen: {last!r}")
 
 
 @dataclass
