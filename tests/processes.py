@@ -120,6 +120,21 @@ class Api:
         return wait_until(what, check, timeout, interval)
 
 
+def create_key(env: dict[str, str], name: str, *options: str) -> str:
+    """A new API key made with `manage.py create_api_key --name NAME OPTIONS...`."""
+    return manage(env, "create_api_key", "--name", name,
+                  *options).stdout.strip().splitlines()[-1]
+
+
+def register_fake_model(env: dict[str, str], folder: Path) -> None:
+    """The registry model `fake`, its weights an empty folder under `folder` (FAKE
+    engines load nothing)."""
+    weights = folder / "weights"
+    weights.mkdir()
+    manage(env, "shell", "-c", "from tests.factories import make_model; "
+                               f"make_model('fake', path={str(weights)!r})")
+
+
 def wait_until(what: str, check: Any, timeout: float, interval: float = 0.2) -> Any:
     """What `check()` returns once it is truthy, asked every `interval` seconds; an
     AssertionError naming `what` and the last answer after `timeout` seconds."""

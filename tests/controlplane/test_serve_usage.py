@@ -14,9 +14,11 @@ import pytest
 from fakes.vllm_cli import stand_in_python
 from tests.processes import (
     Api,
+    create_key,
     end_replicas,
     free_port,
     manage,
+    register_fake_model,
     server_env,
     start_server,
     stop_server,
@@ -32,12 +34,8 @@ def test_a_stopped_server_writes_the_usage_it_still_held(tmp_path: Path) -> None
                       USAGE_FLUSH_SECONDS="3600", RECONCILE_INTERVAL_SECONDS="0.3",
                       HEALTH_CHECK_SECONDS="1", STOP_GRACE_SECONDS="2")
     manage(env, "migrate", "--noinput", "-v0")
-    weights = tmp_path / "weights"
-    weights.mkdir()
-    manage(env, "shell", "-c", "from tests.factories import make_model; "
-                               f"make_model('fake', path={str(weights)!r})")
-    admin = manage(env, "create_api_key", "--name", "tests", "--scope",
-                   "admin").stdout.strip().splitlines()[-1]
+    register_fake_model(env, tmp_path)
+    admin = create_key(env, "tests", "--scope", "admin")
     port = free_port()
     server, _ = start_server(env, port)
     api = Api(f"http://127.0.0.1:{port}", admin)

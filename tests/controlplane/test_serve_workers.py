@@ -22,7 +22,16 @@ import pytest
 
 from controlplane.workers import CRASH_LOOP_SECONDS
 from tests.engines import FakeEngine, start_fake_engine
-from tests.processes import ROOT, Api, free_port, manage, server_env, start_server
+from tests.processes import (
+    ROOT,
+    Api,
+    create_key,
+    free_port,
+    manage,
+    register_fake_model,
+    server_env,
+    start_server,
+)
 from tests.services import private_redis
 
 pytestmark = pytest.mark.slow
@@ -50,12 +59,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                          # The revoked key's refusals are counted as failed attempts.
                          GATEWAY_AUTH_FAILURES_PER_MINUTE="0")
         manage(env, "migrate", "--noinput", "-v0")
-        weights = base / "weights"
-        weights.mkdir()
-        manage(env, "shell", "-c", "from tests.factories import make_model; "
-                                   f"make_model('fake', path={str(weights)!r})")
-        admin = manage(env, "create_api_key", "--name", "tests", "--scope",
-                       "admin").stdout.strip().splitlines()[-1]
+        register_fake_model(env, base)
+        admin = create_key(env, "tests", "--scope", "admin")
         engine = start_fake_engine("edge", model=DEPLOYMENT, interval_ms=1)
         port = free_port()
         server, _ = start_server(env, port, "--workers", "2")

@@ -32,9 +32,11 @@ from fakes.vllm_cli import stand_in_python
 from tests.processes import (
     ROOT,
     Api,
+    create_key,
     end_replicas,
     free_port,
     manage,
+    register_fake_model,
     server_env,
     start_server,
     stop_server,
@@ -89,13 +91,9 @@ def serve(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         if request.param == "scale-out":
             env["REDIS_URL"] = redis_server.url
         manage(env, "migrate", "--noinput", "-v0")
-        weights = base / "weights"
-        weights.mkdir()
-        manage(env, "shell", "-c", "from tests.factories import make_model; "
-                                   f"make_model('fake', path={str(weights)!r})")
-        admin = manage(env, "create_api_key", "--name", "admin", "--scope",
-                       "admin").stdout.strip().splitlines()[-1]
-        key = manage(env, "create_api_key", "--name", "app").stdout.strip().splitlines()[-1]
+        register_fake_model(env, base)
+        admin = create_key(env, "admin", "--scope", "admin")
+        key = create_key(env, "app")
         processes, url, health = start_fleet(env, request.param == "scale-out")
         api = Api(url, admin)
         try:

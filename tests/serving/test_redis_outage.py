@@ -23,7 +23,17 @@ import openai
 import pytest
 
 from tests.engines import FakeEngine, start_fake_engine
-from tests.processes import ROOT, Api, free_port, manage, server_env, start_server, stop_server
+from tests.processes import (
+    ROOT,
+    Api,
+    create_key,
+    free_port,
+    manage,
+    register_fake_model,
+    server_env,
+    start_server,
+    stop_server,
+)
 from tests.services import PrivateRedis, private_postgres, private_redis
 
 pytestmark = pytest.mark.slow
@@ -46,11 +56,6 @@ class Fleet:
     api: Api
     engines: tuple[FakeEngine, FakeEngine]
     keys: dict[str, str]
-
-
-def create_key(env: dict[str, str], name: str, *options: str) -> str:
-    return manage(env, "create_api_key", "--name", name,
-                  *options).stdout.strip().splitlines()[-1]
 
 
 def routed(url: str, key: str) -> set[str]:
@@ -77,10 +82,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                           # this test can only arrive through Redis.
                           KEY_CACHE_SECONDS="600")
         manage(env, "migrate", "--noinput", "-v0")
-        weights = base / "weights"
-        weights.mkdir()
-        manage(env, "shell", "-c", "from tests.factories import make_model; "
-                                   f"make_model('fake', path={str(weights)!r})")
+        register_fake_model(env, base)
         keys = {"admin": create_key(env, "admin", "--scope", "admin"),
                 "limited": create_key(env, "limited", "--rpm", "2"),
                 "free": create_key(env, "free"),

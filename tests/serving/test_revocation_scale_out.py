@@ -21,7 +21,16 @@ import openai
 import pytest
 
 from tests.engines import FakeEngine, start_fake_engine
-from tests.processes import Api, free_port, manage, server_env, start_server, stop_server
+from tests.processes import (
+    Api,
+    create_key,
+    free_port,
+    manage,
+    register_fake_model,
+    server_env,
+    start_server,
+    stop_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -67,14 +76,9 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoGateways]:
                      HEALTH_CHECK_SECONDS="1", GATEWAY_LOAD_SCRAPE_SECONDS=str(SCRAPE_SECONDS),
                      KEY_CACHE_SECONDS="600")
     manage(env, "migrate", "--noinput", "-v0")
-    weights = base / "weights"
-    weights.mkdir()
-    manage(env, "shell", "-c", "from tests.factories import make_model; "
-                               f"make_model('fake', path={str(weights)!r})")
-    admin_key = manage(env, "create_api_key", "--name", "operator", "--scope",
-                       "admin").stdout.strip().splitlines()[-1]
-    key = manage(env, "create_api_key", "--name", "app", "--scope",
-                 "inference").stdout.strip().splitlines()[-1]
+    register_fake_model(env, base)
+    admin_key = create_key(env, "operator", "--scope", "admin")
+    key = create_key(env, "app", "--scope", "inference")
     engine = start_fake_engine("revoke-1", model="fake", interval_ms=20)
     ports = (free_port(), free_port())
     servers = [start_server(env, ports[0])[0],

@@ -19,9 +19,11 @@ import httpx
 from fakes.vllm_cli import stand_in_python
 from tests.processes import (
     Api,
+    create_key,
     end_replicas,
     free_port,
     manage,
+    register_fake_model,
     server_env,
     start_server,
     stop_server,
@@ -174,12 +176,8 @@ def running_fleet(folder: Path, token_interval_ms: float, gateways_beside: int =
         "HEALTH_CHECK_SECONDS": "1", "STOP_GRACE_SECONDS": "2",
         "GATEWAY_LOAD_SCRAPE_SECONDS": "0.5", **settings})
     manage(env, "migrate", "--noinput", "-v0")
-    weights = folder / "weights"
-    weights.mkdir()
-    manage(env, "shell", "-c", "from tests.factories import make_model; "
-                               f"make_model('fake', path={str(weights)!r})")
-    admin = manage(env, "create_api_key", "--name", "tests", "--scope",
-                   "admin").stdout.strip().splitlines()[-1]
+    register_fake_model(env, folder)
+    admin = create_key(env, "tests", "--scope", "admin")
     port = free_port()
     servers = [start_server(env, port)[0]]
     try:
