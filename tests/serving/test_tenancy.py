@@ -113,7 +113,9 @@ def test_a_request_no_replica_answered_gives_its_tokens_back(
     routes.publish(build_table([DeploymentRoutes("demo", "fake", "least-load", 2048, (gone,),
                                           ("fake", "demo"))]))
     assert post(gateway_url, key, body).status_code == 503  # every try failed
-    publish("demo", [fake_engines("demo-1")])
+    # A name no earlier test gave a replica: the gateway's view of a replica (its failures,
+    # its time out of routing) is kept by name.
+    publish("demo", [fake_engines("tokens-back-1")])
     assert post(gateway_url, key, body).status_code == 200  # the 900 came back
 
 
