@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from fakes.engine import read_body
+
 MODEL = "fake"  # the engine's --model
 
 
@@ -18,12 +20,7 @@ class AnyModelName:
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         try:
             request = json.loads(body)
         except ValueError:

@@ -37,6 +37,16 @@ GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
+async def read_body(receive: Receive) -> bytes:
+    """A request's whole body, however many messages it came in."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 class Histogram:
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
@@ -125,12 +135,7 @@ class FakeEngine:
                                    self.expected_auth) and scheme.lower() == b"bearer"
 
     async def complete(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         try:
             request = json.loads(body)
         except ValueError:

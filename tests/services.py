@@ -133,7 +133,11 @@ class PrivatePostgres:
 def _require(*binaries: str) -> None:
     for binary in binaries:
         if not (shutil.which(binary) or Path(binary).exists()):
-            pytest.skip(f"{binary} is not installed")
+            # Never a skip: an outage test that does not run proves nothing. The machine's
+            # packages provide these (Debian's redis-server and postgresql).
+            pytest.fail(f"{binary} is not installed: the outage tests need a real server "
+                        f"of their own (install Debian's redis-server and postgresql)",
+                        pytrace=False)
 
 
 @contextlib.contextmanager
