@@ -266,3 +266,14 @@ def test_more_than_one_worker_without_redis_is_refused_with_a_reason(
                             capture_output=True, text=True, timeout=120)
     assert failed.returncode == 1
     assert "--workers above 1 needs REDIS_URL" in failed.stderr
+
+
+@pytest.mark.parametrize("count", ["0", "257"])
+def test_a_worker_count_out_of_range_is_refused(tmp_path_factory: pytest.TempPathFactory,
+                                                count: str) -> None:
+    env = server_env(tmp_path_factory.mktemp("bad-count"), REDIS_URL="redis://127.0.0.1:6379/9")
+    failed = subprocess.run([sys.executable, "manage.py", "serve", "--workers", count,
+                             "--port", str(free_port())], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1
+    assert "--workers: a whole number from 1 to 256" in failed.stderr
