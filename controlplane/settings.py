@@ -187,7 +187,7 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "controlplane.api.schema.ApiSchema",
     "EXCEPTION_HANDLER": "controlplane.api.errors.exception_handler",
     "DEFAULT_PAGINATION_CLASS": "controlplane.api.pagination.Page",
-    "PAGE_SIZE": 100,
+    "PAGE_SIZE": 50,
     "UNAUTHENTICATED_USER": None,
 }
 SPECTACULAR_SETTINGS = {

@@ -132,6 +132,17 @@ class DeploymentSerializer(StrictJSON, serializers.ModelSerializer):
         return dict(serializer.validated_data)
 
 
+class DeploymentListSerializer(DeploymentSerializer):
+    """A row of the list: the deployment without its replicas (`replica_list` is on the
+    deployment's own endpoint and on /api/v1/replicas/?deployment=<name>), so a page stays
+    small however many replicas each has. `ready_replicas` is counted by the query."""
+
+    ready_replicas = serializers.IntegerField(source="ready_count", read_only=True)
+
+    class Meta(DeploymentSerializer.Meta):
+        fields = [f for f in DeploymentSerializer.Meta.fields if f != "replica_list"]
+
+
 class DeploymentUpdateSerializer(DeploymentSerializer):
     class Meta(DeploymentSerializer.Meta):
         read_only_fields = [*DeploymentSerializer.Meta.read_only_fields, "name", "backend"]

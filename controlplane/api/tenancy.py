@@ -8,7 +8,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import QuerySet
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -16,6 +16,8 @@ from rest_framework.response import Response
 
 from access.roles import USER_ROLE_CHOICES, actor_of, create_user, role_of, set_role
 from access.strict_json import StrictJSON
+from controlplane import filters
+from controlplane.api.pagination import FilteredList, filter_parameters
 from controlplane.services import audit
 from serving import services
 from serving.models import ApiKey, Team
@@ -74,11 +76,14 @@ class ApiKeyCreateSerializer(StrictJSON, serializers.Serializer):
         priority.choices = list(classes())
 
 
-class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
+@extend_schema_view(list=extend_schema(parameters=filter_parameters(filters.KEYS)))
+class ApiKeyViewSet(FilteredList, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                     viewsets.GenericViewSet):
-    """API keys: create (the secret is shown once, in `key`), list, revoke."""
+    """API keys: create (the secret is shown once, in `key`), list (filter with `search`,
+    `team`, `scope`, `state`), revoke."""
 
     serializer_class = ApiKeySerializer
+    filters = filters.KEYS
     queryset = ApiKey.objects.select_related("team", "user")
     lookup_value_regex = "[0-9]+"
     read_role = write_role = "admin"

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import (
@@ -20,12 +20,19 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from access.roles import actor_of
-from controlplane import services
-from controlplane.api.pagination import BoundedCountPage, count_param, single_param
+from controlplane import filters, services
+from controlplane.api.pagination import (
+    BoundedCountPage,
+    FilteredList,
+    count_param,
+    filter_parameters,
+    single_param,
+)
 from controlplane.api.serializers import (
     AuditEventSerializer,
     BackendSerializer,
     BackendUpdateSerializer,
+    DeploymentListSerializer,
     DeploymentSerializer,
     DeploymentUpdateSerializer,
     ReplicaSerializer,
@@ -46,13 +53,15 @@ class LogTailSerializer(serializers.Serializer):
     lines = serializers.ListField(child=serializers.CharField(allow_blank=True))
 
 
-class BackendViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
+@extend_schema_view(list=extend_schema(parameters=filter_parameters(filters.BACKENDS)))
+class BackendViewSet(FilteredList, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                      mixins.CreateModelMixin, mixins.UpdateModelMixin, viewsets.GenericViewSet):
     """Where replicas run: `local` processes, `external` endpoints, `kubernetes`. Secrets in
     a config are shown as `***`; sending `***` back keeps the stored secret."""
 
     queryset = Backend.objects.all()
     serializer_class = BackendSerializer
+    filters = filters.BACKENDS
     lookup_field = "name"
     lookup_value_regex = DNS_NAME
     read_role, write_role = "operator", "admin"
@@ -75,21 +84,31 @@ class BackendViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
             data["name"], data["kind"], data.get("config") or {}, actor=actor_of(self.request))
 
 
-class DeploymentViewSet(viewsets.ModelViewSet):
+@extend_schema_view(list=extend_schema(
+    parameters=filter_parameters(filters.DEPLOYMENTS),
+    description="Deployments, without their replicas (`replica_list` is on each one's own "
+                "endpoint); filter with `search`, `model`, `backend`, `state`."))
+class DeploymentViewSet(FilteredList, viewsets.ModelViewSet):
     """Desired deployments: a model, engine args, a replica count, a backend."""
 
     serializer_class = DeploymentSerializer
+    filters = filters.DEPLOYMENTS
     lookup_field = "name"
     lookup_value_regex = DNS_NAME
     http_method_names = ["get", "post", "patch", "delete", "head", "options"]
 
     def get_queryset(self) -> QuerySet[Deployment]:
-        return Deployment.objects.select_related("model", "backend").prefetch_related(
-            "replica_set")
+        deployments = Deployment.objects.select_related("model", "backend")
+        if self.action == "list":
+            return deployments.annotate(ready_count=Count(
+                "replica_set", filter=Q(replica_set__phase=Replica.Phase.READY)))
+        return deployments.prefetch_related("replica_set")
 
     def get_serializer_class(self) -> type[serializers.BaseSerializer]:
         if self.action == "partial_update":
             return DeploymentUpdateSerializer
+        if self.action == "list":
+            return DeploymentListSerializer
         return DeploymentSerializer
 
     def perform_create(self, serializer: serializers.BaseSerializer) -> None:
@@ -155,20 +174,16 @@ class DeploymentViewSet(viewsets.ModelViewSet):
         return self.get_paginated_response(AuditEventSerializer(page, many=True).data)
 
 
-@extend_schema_view(list=extend_schema(parameters=[
-    OpenApiParameter("deployment", str, description="only this deployment's replicas")]))
-class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
-    """Observed replicas; filter with `?deployment=<name>`."""
+@extend_schema_view(list=extend_schema(parameters=filter_parameters(filters.REPLICAS)))
+class ReplicaViewSet(FilteredList, viewsets.ReadOnlyModelViewSet):
+    """Observed replicas; filter with `?deployment=<name>`, `?phase=`, `?search=`."""
 
     serializer_class = ReplicaSerializer
     lookup_field = "name"
     lookup_value_regex = ANY_NAME
     action_roles = {"logs": "operator"}
-
-    def get_queryset(self) -> QuerySet[Replica]:
-        queryset = Replica.objects.select_related("deployment", "deployment__backend")
-        deployment = single_param(self.request, "deployment")
-        return queryset.filter(deployment__name=deployment) if deployment else queryset
+    queryset = Replica.objects.select_related("deployment", "deployment__backend")
+    filters = filters.REPLICAS
 
     @extend_schema(parameters=[
         OpenApiParameter("lines", {"type": "integer", "minimum": 1, "maximum": MAX_LOG_LINES},
@@ -213,26 +228,16 @@ def not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
     return JsonResponse({"detail": "Not found."}, status=404)
 
 
-@extend_schema_view(list=extend_schema(parameters=[
-    OpenApiParameter("deployment", str, description="only this deployment's events"),
-    OpenApiParameter("action", str, description="e.g. key-created, model-deleted"),
-    OpenApiParameter("actor", str, description="who did it: a username, `system`, ...")]))
-class EventViewSet(viewsets.ReadOnlyModelViewSet):
+@extend_schema_view(list=extend_schema(parameters=filter_parameters(filters.EVENTS)))
+class EventViewSet(FilteredList, viewsets.ReadOnlyModelViewSet):
     """The audit log (admins): what changed, who changed it, before and after, and what
     the controllers did; a repeated event is one entry with its `count` and `last_seen`,
     last seen first. Filter with `?deployment=<name>`, `?action=<action>` (e.g.
-    key-created, user-role-changed, model-deleted), `?actor=<name>`."""
+    key-created, user-role-changed, model-deleted), `?actor=<name>`, `?replica=<name>`."""
 
     serializer_class = AuditEventSerializer
     pagination_class = BoundedCountPage
     read_role = "admin"
     lookup_value_regex = "[0-9]+"
-
-    def get_queryset(self) -> QuerySet[AuditEvent]:
-        queryset = AuditEvent.objects.select_related("deployment")
-        for name, field in (("deployment", "deployment__name"), ("action", "action"),
-                            ("actor", "actor")):
-            value = single_param(self.request, name)
-            if value:
-                queryset = queryset.filter(**{field: value})
-        return queryset
+    queryset = AuditEvent.objects.select_related("deployment")
+    filters = filters.EVENTS

@@ -1,11 +1,18 @@
 from __future__ import annotations
 
-from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import mixins, status, viewsets
+from django.db.models import QuerySet
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_view,
+)
+from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from access.listing import SEARCH_MAX_CHARACTERS, FilterError, Filters, choices_of
 from access.roles import actor_of
 from models_registry import services
 from models_registry.api.serializers import (
@@ -18,6 +25,20 @@ from models_registry.capacity_report import model_capacity
 from models_registry.models import Model
 
 
+# What the model list may be filtered by (access/listing.py), in the API and on the page.
+MODEL_FILTERS = Filters(
+    search=("name", "display_name", "architecture"),
+    choices={"status": choices_of("status", Model.Status.values),
+             "task": choices_of("task", Model.Task.values),
+             "source": choices_of("source", Model.Source.values)})
+
+
+@extend_schema_view(list=extend_schema(parameters=[
+    OpenApiParameter("search", str, description="part of the name, display name or "
+                     f"architecture (case-insensitive; at most {SEARCH_MAX_CHARACTERS} "
+                     "characters)"),
+    *(OpenApiParameter(param, str, enum=list(options))
+      for param, options in MODEL_FILTERS.choices.items())]))
 class ModelViewSet(
     mixins.ListModelMixin,
     mixins.RetrieveModelMixin,
@@ -31,6 +52,17 @@ class ModelViewSet(
     serializer_class = ModelSerializer
     lookup_field = "name"
     lookup_value_regex = "[-a-zA-Z0-9_]+"
+
+    def filter_queryset(self, queryset: QuerySet[Model]) -> QuerySet[Model]:
+        """The list filtered by `search`, `status`, `task`, `source` (a bad one: 400)."""
+        queryset = super().filter_queryset(queryset)
+        if self.action != "list":
+            return queryset
+        try:
+            given = MODEL_FILTERS.read(self.request.query_params.getlist)
+        except FilterError as exc:
+            raise serializers.ValidationError({exc.param: [exc.message]}) from None
+        return MODEL_FILTERS.apply(queryset, given)
 
     @extend_schema(
         request=ModelCreateSerializer,
