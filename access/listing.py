@@ -150,11 +150,12 @@ def page_of(request: HttpRequest, queryset: QuerySet[Any], param: str = "page",
 
 
 def filtered_page(request: HttpRequest, queryset: QuerySet[Any], filters: Filters,
-                  size: int = PAGE_SIZE) -> tuple[PageView, dict[str, str], str]:
+                  param: str = "page", size: int = PAGE_SIZE
+                  ) -> tuple[PageView, dict[str, str], str]:
     """For a page: the filtered page, the filters given, and the error of a filter that
     could not be read (then the list is empty and the page says why)."""
     try:
         given = filters.read(request.GET.getlist)
     except FilterError as exc:
-        return page_of(request, queryset.none(), size=size), {}, str(exc)
-    return page_of(request, filters.apply(queryset, given), size=size), given, ""
+        return page_of(request, queryset.none(), param, size), {}, str(exc)
+    return page_of(request, filters.apply(queryset, given), param, size), given, ""

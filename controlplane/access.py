@@ -15,7 +15,10 @@ from django.urls import path
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
+from access.listing import filtered_page, page_of
 from access.roles import ROLES, UserExists, create_user, role_of, role_required, set_role
+from controlplane import filters
+from controlplane.forms import suggesting
 from serving import services
 from serving.models import ApiKey, Team
 from serving.priority import DEFAULT_CLASS, classes
@@ -28,8 +31,9 @@ def _limit(required: bool = False) -> forms.IntegerField:
 class KeyForm(forms.Form):
     name = forms.CharField(max_length=100)
     scope = forms.ChoiceField(choices=ApiKey.Scope.choices, initial=ApiKey.Scope.INFERENCE)
-    team = forms.ModelChoiceField(queryset=Team.objects.all(), to_field_name="name",
-                                  required=False)
+    team = forms.CharField(max_length=100, required=False, help_text="a team's name; empty: "
+                           "none", widget=suggesting("team-names",
+                                                     "/api/v1/teams/?limit=10&search="))
     models = forms.CharField(required=False, help_text="comma-separated; empty: all")
     priority = forms.ChoiceField(choices=[], initial=DEFAULT_CLASS)
     rpm = _limit()
@@ -37,6 +41,15 @@ class KeyForm(forms.Form):
     expires_days = forms.IntegerField(label="Expires in (days)", min_value=1, max_value=3650,
                                       required=False,
                                       help_text="days; empty: never")
+
+    def clean_team(self) -> Team | None:
+        name = (self.cleaned_data.get("team") or "").strip()
+        if not name:
+            return None
+        team = Team.objects.filter(name=name).first()
+        if team is None:
+            raise forms.ValidationError(f"no team named {name!r}")
+        return team
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -90,10 +103,14 @@ def keys_page(request: HttpRequest) -> HttpResponse:
         else:
             messages.success(request, f"Team {team.name} created.")
             return redirect("keys")
+    keys, given, error = filtered_page(request, ApiKey.objects.select_related("team", "user"),
+                                       filters.KEYS)
     return render(request, "controlplane/keys.html", {
-        "keys": ApiKey.objects.select_related("team", "user"),
-        "teams": Team.objects.all(), "key_form": key_form, "team_form": team_form,
-        "secret": secret})
+        "keys": keys, "given": given, "filtered": bool(given), "filter_error": error,
+        "scopes": ApiKey.Scope.choices, "states": list(filters.KEY_STATES),
+        "teams": page_of(request, Team.objects.all(), param="teams_page"),
+        "key_form": key_form, "team_form": team_form, "secret": secret},
+        status=400 if error else 200)
 
 
 @role_required("admin")

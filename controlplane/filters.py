@@ -17,6 +17,8 @@ DEPLOYMENTS = Filters(
     describe={"search": "part of the name, the model's or the backend's name",
               "state": "running or stopped"})
 
+TEAMS = Filters(search=("name",))
+
 BACKENDS = Filters(search=("name",), choices={"kind": choices_of("kind", Backend.Kind.values)})
 
 REPLICAS = Filters(

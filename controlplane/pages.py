@@ -3,21 +3,28 @@ phases, time to ready, logs, events, and the scale, stop, start, restart, delete
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.template.loader import render_to_string
 from django.urls import path
 from django.views.decorators.http import require_POST
 from rest_framework.exceptions import ValidationError
 
+from access.listing import Filters, filtered_page, page_of
 from access.redaction import redact
 from access.roles import has_role, role_required
-from controlplane import services
+from controlplane import filters, services
 from controlplane.forms import DeploymentForm, ScaleForm
 from controlplane.models import AuditEvent, Deployment, Replica
+
+# A deployment page's replicas: by phase or part of the name.
+DETAIL_REPLICAS = Filters(search=("name",), choices=filters.REPLICAS.choices)
 
 
 def first_error(exc: ValidationError) -> str:
@@ -52,30 +59,55 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
         else:
             messages.success(request, f"Deployment {deployment.name} created.")
             return redirect("deployment-page", name=deployment.name)
-    deployments = Deployment.objects.select_related("model", "backend").prefetch_related(
-        "replica_set")
-    return render(request, "controlplane/deployment_list.html",
-                  {"deployments": deployments, "form": form})
+    deployments = Deployment.objects.select_related("model", "backend").annotate(
+        ready_count=Count("replica_set", filter=Q(replica_set__phase=Replica.Phase.READY))
+    ).order_by("name")
+    page, given, error = filtered_page(request, deployments, filters.DEPLOYMENTS)
+    context = {"page": page, "given": given, "filtered": bool(given),
+               "filter_error": error, "form": form, "states": Deployment.State.choices}
+    if request.headers.get("X-Fragment") == "deployment-list":
+        return fragment(request, "controlplane/deployment_rows.html", context)
+    return render(request, "controlplane/deployment_list.html", context,
+                  status=400 if error else 200)
+
+
+def fragment(request: HttpRequest, template: str, context: dict[str, Any]) -> HttpResponse:
+    """One part of a page, for its own refresh (static/js/refresh.js): 304 when it is what
+    the browser holds already (its ETag), so an unchanged list costs no bytes."""
+    body = render_to_string(template, context, request=request).encode()
+    tag = '"' + hashlib.blake2b(body, digest_size=12).hexdigest() + '"'
+    if request.headers.get("If-None-Match") == tag:
+        response = HttpResponse(status=304)
+    else:
+        response = HttpResponse(body)
+    response["ETag"] = tag
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 @role_required("viewer")
 def deployment_detail(request: HttpRequest, name: str) -> HttpResponse:
     deployment = get_object_or_404(Deployment.objects.select_related("model", "backend"),
                                    name=name)
-    replicas = list(Replica.objects.filter(deployment=deployment))
-    events = list(AuditEvent.objects.filter(deployment=deployment)[:50])
+    replicas, given, error = filtered_page(
+        request, Replica.objects.filter(deployment=deployment), DETAIL_REPLICAS,
+        param="replicas_page")
+    events = page_of(request, AuditEvent.objects.filter(deployment=deployment),
+                     param="events_page")
     # Shown, never saved: an external endpoint's URL and an error may carry credentials.
-    for replica in replicas:
+    for replica in replicas.rows:
         replica.endpoint, replica.last_error = (redact(replica.endpoint),
                                                 redact(replica.last_error))
-    for event in events:
+    for event in events.rows:
         event.message = redact(event.message)
     deployment.conditions = redact(deployment.conditions)
     return render(request, "controlplane/deployment_detail.html", {
         "deployment": deployment, "replicas": replicas, "events": events,
+        "given": given, "filter_error": error, "phases": Replica.Phase.choices,
         "scale_form": ScaleForm(initial={"replicas": deployment.replicas}),
-        "ready": sum(1 for r in replicas if r.phase == Replica.Phase.READY),
-    })
+        "ready": Replica.objects.filter(deployment=deployment,
+                                        phase=Replica.Phase.READY).count(),
+    }, status=400 if error else 200)
 
 
 @role_required("operator")

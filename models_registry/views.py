@@ -10,10 +10,12 @@ from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 
+from access.listing import filtered_page
 from access.roles import has_role, role_required
 from models_registry import services
 from models_registry.capacity import DEFAULT_SEQUENCE_LENGTH, MEMORY_PRESETS_GIB
 from models_registry.capacity_report import CapacityUnknownError, model_capacity
+from models_registry.filters import MODEL_FILTERS
 from models_registry.forms import CapacityForm, RegisterModelForm
 from models_registry.importers import ModelSourceError
 from models_registry.models import Model
@@ -36,17 +38,20 @@ def model_list(request: HttpRequest) -> HttpResponse:
         else:
             messages.success(request, f"Model {model.name} registered ({model.status}).")
             return redirect("registry")
+    page, given, error = filtered_page(request, Model.objects.all(), MODEL_FILTERS)
     rows: list[dict[str, Any]] = []
-    for model in Model.objects.all():
+    for model in page.rows:  # the capacity of this page's models only
         try:
             estimates = model_capacity(model)
         except CapacityUnknownError:
             estimates = []
         rows.append({"model": model, "estimates": estimates})
     return render(request, "models_registry/model_list.html", {
-        "rows": rows, "form": form, "presets": MEMORY_PRESETS_GIB,
+        "rows": rows, "page": page, "given": given, "filtered": bool(given),
+        "filter_error": error, "statuses": Model.Status.choices,
+        "tasks": Model.Task.choices, "form": form, "presets": MEMORY_PRESETS_GIB,
         "sequence_length": DEFAULT_SEQUENCE_LENGTH,
-    })
+    }, status=400 if error else 200)
 
 
 @role_required("viewer")

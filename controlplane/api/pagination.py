@@ -144,16 +144,20 @@ class FilteredList:
         return self.filters.apply(queryset, given)
 
 
+# A filter's text: what access/listing.py reads (no NUL, at most so many characters).
+FILTER_TEXT = {"type": "string", "maxLength": SEARCH_MAX_CHARACTERS, "pattern": "^[^\\u0000]*$"}
+
+
 def filter_parameters(filters: Filters) -> list[OpenApiParameter]:
     """The schema's description of a list's filter parameters."""
     found: list[OpenApiParameter] = []
     if filters.search:
         found.append(OpenApiParameter(
-            "search", str, description=filters.describe.get(
+            "search", FILTER_TEXT, description=filters.describe.get(
                 "search", "part of " + " or ".join(f.split("__")[0] for f in filters.search))
             + f" (case-insensitive; at most {SEARCH_MAX_CHARACTERS} characters)"))
     for param in filters.exact:
-        found.append(OpenApiParameter(param, str, description=filters.describe.get(
+        found.append(OpenApiParameter(param, FILTER_TEXT, description=filters.describe.get(
             param, f"only those of this {param} (its name)")))
     for param, options in filters.choices.items():
         found.append(OpenApiParameter(param, str, enum=list(options),

@@ -125,12 +125,14 @@ class TeamSerializer(StrictJSON, serializers.ModelSerializer):
         return team.keys.filter(revoked_at__isnull=True).count()
 
 
-class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin,
-                  mixins.UpdateModelMixin, viewsets.GenericViewSet):
+@extend_schema_view(list=extend_schema(parameters=filter_parameters(filters.TEAMS)))
+class TeamViewSet(FilteredList, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                  mixins.CreateModelMixin, mixins.UpdateModelMixin, viewsets.GenericViewSet):
     """Teams: a request and token budget per minute shared by their keys."""
 
     serializer_class = TeamSerializer
     queryset = Team.objects.all()
+    filters = filters.TEAMS
     lookup_field = "name"
     lookup_value_regex = "[^/\x00]+"
     read_role = write_role = "admin"

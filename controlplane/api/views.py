@@ -101,7 +101,7 @@ class DeploymentViewSet(FilteredList, viewsets.ModelViewSet):
         deployments = Deployment.objects.select_related("model", "backend")
         if self.action == "list":
             return deployments.annotate(ready_count=Count(
-                "replica_set", filter=Q(replica_set__phase=Replica.Phase.READY)))
+                "replica_set", filter=Q(replica_set__phase=Replica.Phase.READY))).order_by("name")
         return deployments.prefetch_related("replica_set")
 
     def get_serializer_class(self) -> type[serializers.BaseSerializer]:

@@ -12,7 +12,7 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from access.listing import SEARCH_MAX_CHARACTERS, FilterError, Filters, choices_of
+from access.listing import SEARCH_MAX_CHARACTERS, FilterError
 from access.roles import actor_of
 from models_registry import services
 from models_registry.api.serializers import (
@@ -22,19 +22,14 @@ from models_registry.api.serializers import (
     ModelSerializer,
 )
 from models_registry.capacity_report import model_capacity
+from models_registry.filters import MODEL_FILTERS
 from models_registry.models import Model
 
 
-# What the model list may be filtered by (access/listing.py), in the API and on the page.
-MODEL_FILTERS = Filters(
-    search=("name", "display_name", "architecture"),
-    choices={"status": choices_of("status", Model.Status.values),
-             "task": choices_of("task", Model.Task.values),
-             "source": choices_of("source", Model.Source.values)})
-
-
 @extend_schema_view(list=extend_schema(parameters=[
-    OpenApiParameter("search", str, description="part of the name, display name or "
+    OpenApiParameter("search", {"type": "string", "maxLength": SEARCH_MAX_CHARACTERS,
+                                "pattern": "^[^\\u0000]*$"},
+                     description="part of the name, display name or "
                      f"architecture (case-insensitive; at most {SEARCH_MAX_CHARACTERS} "
                      "characters)"),
     *(OpenApiParameter(param, str, enum=list(options))
