@@ -23,6 +23,7 @@ from django.conf import settings
 
 from access.roles import has_role
 from controlplane import collector as collector_module
+from controlplane.metrics import publishing
 from controlplane.revocation import user_group
 
 logger = logging.getLogger(__name__)
@@ -164,8 +165,9 @@ def deployment_exists(name: str) -> bool:
 
 
 class DashboardConsumer(GuardedConsumer):
-    """/ws/dashboard/ (the fleet) and /ws/dashboard/<deployment>/: what the collector
-    pushes each interval, after what it holds already (the last 15 minutes)."""
+    """/ws/dashboard/ (the fleet: its busiest deployments whole, then what changed) and
+    /ws/dashboard/<deployment>/ (what the collector holds already, the last 15 minutes,
+    then each pass's update)."""
 
     async def opened(self) -> None:
         self.deployment = self.scope["url_route"]["kwargs"].get("deployment")
@@ -173,8 +175,10 @@ class DashboardConsumer(GuardedConsumer):
         if self.deployment is None:
             self.group = collector_module.FLEET_GROUP
             await self.channel_layer.group_add(self.group, self.channel_name)
-            if store is not None:
-                await self.send_json(store.store.fleet)
+            # The whole view once; the group's messages after it carry what changed.
+            snapshot = publishing.snapshot_text() if store is not None else None
+            if snapshot is not None:
+                await self.send(text_data=snapshot)
             return
         if not await database_sync_to_async(deployment_exists)(self.deployment):
             await self.error(f"no deployment named {self.deployment!r}", code="not_found")

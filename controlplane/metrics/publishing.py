@@ -1,5 +1,14 @@
 """The dashboards' Channels groups: one for the fleet and one per deployment, each sent
-one message per pass, serialised once (the schema: docs/dashboards.md)."""
+one message per pass, serialised once (the schema: docs/dashboards.md).
+
+The fleet group gets what changed, not the fleet: its view is the FLEET_ROWS deployments
+under the most load (and the totals of all of them). A socket that connects is sent the
+view whole (`fleet`, `snapshot_text`); each pass then sends `fleet.delta`: the rows of the
+view whose figures changed or that entered it, the names that left it, and the totals,
+numbered by `seq`. Every SNAPSHOT_EVERY passes the whole view is sent again, for sockets in
+processes that hold no collector (they have no view to start from) and to mend a socket
+that missed a message.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +20,13 @@ import orjson
 logger = logging.getLogger(__name__)
 
 FLEET_GROUP = "dashboard.fleet"
+FLEET_ROWS = 50  # deployments in the fleet view: the ones under the most load
+SNAPSHOT_EVERY = 15  # passes between two whole views sent to the group
 _failing = [False]  # the last publication failed
+
+# Summed over every deployment (not only the view's) into the messages' `totals`.
+TOTALLED = ("ready", "desired", "standby", "requests_per_s", "tokens_per_s", "waiting",
+            "running", "in_flight", "queued", "scrape_failures")
 
 
 def deployment_group(name: str) -> str:
@@ -19,18 +34,69 @@ def deployment_group(name: str) -> str:
     return f"dashboard.deployment.{name}"
 
 
+def load_order(summary: dict[str, Any]) -> tuple[float, float, float, str]:
+    """Most load first: requests/s, then tokens/s, then requests in the engines; then by
+    name (static/js/dashboard_fleet.js sorts the same way)."""
+    return (-(summary.get("requests_per_s") or 0.0), -(summary.get("tokens_per_s") or 0.0),
+            -((summary.get("waiting") or 0.0) + (summary.get("running") or 0.0)),
+            summary["name"])
+
+
+def totals(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {"deployments": len(summaries)}
+    for field in TOTALLED:
+        found[field] = round(sum(s.get(field) or 0 for s in summaries), 3)
+    return found
+
+
+class FleetView:
+    """The last view sent to the fleet group, to tell the next pass's changes from."""
+
+    def __init__(self, rows: int = FLEET_ROWS) -> None:
+        self.size = rows
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.seq = 0
+        self.snapshot_text: str | None = None  # the whole view, for sockets that connect
+
+    def next_message(self, fleet: dict[str, Any]) -> dict[str, Any]:
+        """This pass's message for the group (a delta, or every SNAPSHOT_EVERY passes the
+        whole view); `snapshot_text` is brought up to date either way."""
+        summaries = list(fleet.get("deployments") or [])
+        view = sorted(summaries, key=load_order)[:self.size]
+        rows = {s["name"]: s for s in view}
+        self.seq += 1
+        head = {"t": fleet.get("t"), "seq": self.seq, "rows": self.size,
+                "total": len(summaries), "totals": totals(summaries)}
+        snapshot = {"type": "fleet", **head, "deployments": view}
+        self.snapshot_text = orjson.dumps(snapshot).decode()
+        delta = {"type": "fleet.delta", **head,
+                 "changed": [s for s in view if self.rows.get(s["name"]) != s],
+                 "removed": sorted(set(self.rows) - set(rows))}
+        self.rows = rows
+        return snapshot if self.seq % SNAPSHOT_EVERY == 1 else delta
+
+
+fleet_view = FleetView()
+
+
+def snapshot_text() -> str | None:
+    """The whole fleet view of the last pass in this process (None: no collector here)."""
+    return fleet_view.snapshot_text
+
+
 async def publish(fleet: dict[str, Any], updates: dict[str, dict[str, Any]]) -> None:
-    """Send the fleet message and each deployment's update to their groups; a failure is
-    logged, never raised (the next pass sends again)."""
+    """Send the fleet's changes and each deployment's update to their groups; a failure
+    is logged, never raised (the next pass sends again)."""
     from channels.layers import get_channel_layer
 
+    message = fleet_view.next_message(fleet)
     layer = get_channel_layer()
     if layer is None:
         return
     try:
         # Serialised once here, not once per socket.
         await layer.group_send(FLEET_GROUP, {"type": "dashboard.message",
-                                             "text": orjson.dumps(fleet).decode()})
+                                             "text": orjson.dumps(message).decode()})
         for name, update in updates.items():
             await layer.group_send(deployment_group(name),
                                    {"type": "dashboard.message",

@@ -408,3 +408,33 @@ async def test_a_socket_keeps_checking_access_after_the_database_failed_once(
     # As another process would: no signal, no channel message, only the database.
     await sync_to_async(User.objects.filter(pk=viewer.pk).update)(is_active=False)
     assert await closed_with(communicator) == 4403
+
+
+async def test_a_fleet_socket_gets_the_whole_view_then_only_what_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from controlplane import collector as collector_module
+    from controlplane.metrics import publishing
+
+    def summary(name: str, requests: float) -> dict[str, Any]:
+        return {"name": name, "ready": 1, "desired": 1, "standby": 0,
+                "requests_per_s": requests, "tokens_per_s": 0.0, "waiting": 0, "running": 0}
+
+    fleet = [summary(f"fleet-{i:04d}", float(i % 5)) for i in range(300)]
+    monkeypatch.setattr(publishing, "fleet_view", publishing.FleetView())
+    # A collector runs in this process: it has published passes before the socket came.
+    monkeypatch.setattr(collector_module, "collector", object())
+    await publishing.publish({"t": 1.0, "deployments": fleet}, {})
+    await publishing.publish({"t": 3.0, "deployments": fleet}, {})
+    communicator, connected, _ = await connect("/ws/dashboard/", await make_user())
+    assert connected
+    first = await receive(communicator)
+    assert first["type"] == "fleet" and first["seq"] == 2 and first["total"] == 300
+    assert len(first["deployments"]) == publishing.FLEET_ROWS
+    fleet[7] = summary("fleet-0007", 9.0)
+    await publishing.publish({"t": 5.0, "deployments": fleet}, {})
+    delta = await receive(communicator)
+    assert delta["type"] == "fleet.delta" and delta["seq"] == 3
+    assert [d["name"] for d in delta["changed"]] == ["fleet-0007"]
+    # It entered the busiest 50 (all at 4 requests/s before, by name): the last one left.
+    assert delta["removed"] == ["fleet-0249"]
+    await communicator.disconnect()

@@ -146,10 +146,12 @@ def ask(url: str, key: str, answers: list[tuple[int, str]], tokens: int = 100) -
 
 
 def shared(message: dict[str, Any]) -> dict[str, Any]:
-    """The deployment's summary in a fleet message ({} in any other message)."""
-    if message.get("type") != "fleet":
+    """The deployment's summary in a fleet message (the whole view, or a delta that
+    changed it); {} in any other message."""
+    rows = {"fleet": "deployments", "fleet.delta": "changed"}.get(message.get("type", ""))
+    if rows is None:
         return {}
-    return next((d for d in message["deployments"] if d["name"] == "shared"), {})
+    return next((d for d in message[rows] if d["name"] == "shared"), {})
 
 
 def counted(messages: list[dict[str, Any]]) -> float:
