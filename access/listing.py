@@ -95,12 +95,13 @@ class PageView:
     count: int
     first_row: int
     query: QueryDict  # the filters (no page): kept by every link
+    param: str = "page"  # the query parameter of this list's page number
     notice: str = ""  # set when the page asked for was clamped
 
     def link(self, number: int) -> str:
         query = self.query.copy()
         if number > 1:
-            query["page"] = str(number)
+            query[self.param] = str(number)
         text = query.urlencode()
         return f"?{text}" if text else "?"
 
@@ -146,7 +147,7 @@ def page_of(request: HttpRequest, queryset: QuerySet[Any], param: str = "page",
     query.pop(param, None)
     return PageView(rows=list(page.object_list), number=number, pages=pages,
                     count=paginator.count, first_row=page.start_index(), query=query,
-                    notice=notice)
+                    param=param, notice=notice)
 
 
 def filtered_page(request: HttpRequest, queryset: QuerySet[Any], filters: Filters,
