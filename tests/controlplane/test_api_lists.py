@@ -74,8 +74,9 @@ def test_deployments_are_searched_and_filtered(admin_client: APIClient,
     by_backend = admin_client.get("/api/v1/deployments/", {"backend": "edge",
                                                            "search": "fleet-000"}).json()
     assert names(by_backend) == [f"fleet-000{i}" for i in range(0, 10, 2)]
-    assert "search=fleet-000" in (admin_client.get(
-        "/api/v1/deployments/", {"search": "fleet-0", "limit": 5}).json()["next"] or "")
+    following = admin_client.get("/api/v1/deployments/",
+                                 {"search": "fleet-0", "limit": 5}).json()["next"]
+    assert "search=fleet-0" in following and "offset=5" in following
 
 
 @pytest.mark.parametrize(("path", "query", "param", "message"), [

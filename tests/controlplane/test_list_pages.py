@@ -47,7 +47,7 @@ def test_the_deployment_list_shows_one_page_and_links_to_the_next(admin: Client,
                                                                   fleet: None) -> None:
     html = admin.get("/deployments/").content.decode()
     assert rows(html) == [f"fleet-{i:03d}" for i in range(50)]
-    assert "1–50 of 120" in html and "page 1 of 3" in html
+    assert "rows 1 to 50 of 120" in html and "page 1 of 3" in html
     assert 'rel="next" href="?page=2"' in html and 'rel="prev"' not in html
     last = admin.get("/deployments/", {"page": "3"}).content.decode()
     assert rows(last) == [f"fleet-{i:03d}" for i in range(100, 120)]
@@ -58,7 +58,7 @@ def test_filters_narrow_the_list_and_survive_in_its_links(admin: Client,
                                                           fleet: None) -> None:
     html = admin.get("/deployments/", {"search": "fleet", "state": "running"}).content.decode()
     expected = [f"fleet-{i:03d}" for i in range(120) if i % 3]
-    assert rows(html) == expected[:50] and "1–50 of 80" in html
+    assert rows(html) == expected[:50] and "rows 1 to 50 of 80" in html
     assert 'rel="next" href="?search=fleet&amp;state=running&amp;page=2"' in html
     assert rows(admin.get("/deployments/", {"model": "alpha", "state": "running"})
                 .content.decode()) == [f"fleet-{i:03d}" for i in range(120) if i % 2 and i % 3]
@@ -154,13 +154,13 @@ def test_a_deployment_page_pages_its_replicas_and_events_apart(admin: Client) ->
                                                action="replica-started",
                                                message=f"event {i}") for i in range(60)])
     html = admin.get("/deployments/wide/", {"events_page": "2"}).content.decode()
-    assert len(rows(html, "data-replica")) == 50 and "1–50 of 70" in html
-    assert "51–60 of 60" in html  # the events' second page
+    assert len(rows(html, "data-replica")) == 50 and "rows 1 to 50 of 70" in html
+    assert "rows 51 to 60 of 60" in html  # the events' second page
     assert 'href="?events_page=2&amp;replicas_page=2"' in html  # each keeps the other
     assert "<strong>35</strong> of" in html  # ready replicas: all of them, not the page's
     failed = admin.get("/deployments/wide/", {"phase": "failed"}).content.decode()
     assert rows(failed, "data-replica")[:2] == ["wide-000", "wide-002"]
-    assert "1–35 of 35" in failed
+    assert "rows 1 to 35 of 35" in failed
 
 
 def test_the_model_list_pages_and_searches(admin: Client) -> None:
@@ -169,7 +169,7 @@ def test_the_model_list_pages_and_searches(admin: Client) -> None:
                                      architecture="Qwen2" if i % 5 == 0 else "Llama")
                                for i in range(75)])
     html = admin.get("/models/").content.decode()
-    assert len(rows(html, "data-model")) == 50 and "1–50 of 75" in html
+    assert len(rows(html, "data-model")) == 50 and "rows 1 to 50 of 75" in html
     found = admin.get("/models/", {"search": "qwen2", "status": "failed"}).content.decode()
     assert rows(found, "data-model") == [f"m-{i:03d}" for i in range(0, 75, 20)]
     assert admin.get("/models/", {"status": "asleep"}).status_code == 400
@@ -182,7 +182,7 @@ def test_the_key_list_pages_filters_and_the_form_takes_a_typed_team(admin: Clien
     revoke_api_key(__import__("serving.models", fromlist=["ApiKey"]).ApiKey.objects.get(
         name="key-03"))
     html = admin.get("/keys/").content.decode()
-    assert len(rows(html, "data-key")) == 50 and "1–50 of 55" in html
+    assert len(rows(html, "data-key")) == 50 and "rows 1 to 50 of 55" in html
     blue = admin.get("/keys/", {"team": "blue", "state": "active"}).content.decode()
     assert sorted(rows(blue, "data-key")) == ["key-00", "key-01", "key-02", "key-04"]
     form = html[html.index('id="key-form"'):html.index("</form>", html.index('id="key-form"'))]
