@@ -11,14 +11,12 @@ from typing import Any
 
 from django.conf import settings
 from django.db.models import QuerySet
-from drf_spectacular.utils import OpenApiParameter
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.utils.urls import replace_query_param
 
-from access.listing import SEARCH_MAX_CHARACTERS, FilterError, Filters
 from access.strict_json import unstorable_text
 
 # Past this an offset is no page anyone reads, and SQLite cannot hold it (a 500 otherwise).
@@ -124,42 +122,3 @@ class BoundedCountPage(Page):
             "type": "boolean", "description": "true: there are more rows than `count`"}
         return paged
 
-
-class FilteredList:
-    """For a viewset: its `filters` (access/listing.py) applied to the `list` action's
-    queryset; a parameter that cannot be read is a 400 naming it."""
-
-    filters: Filters = Filters()
-    action: str | None
-    request: Request
-
-    def filter_queryset(self, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        queryset = super().filter_queryset(queryset)  # type: ignore[misc]
-        if self.action != "list":
-            return queryset
-        try:
-            given = self.filters.read(self.request.query_params.getlist)
-        except FilterError as exc:
-            raise serializers.ValidationError({exc.param: [exc.message]}) from None
-        return self.filters.apply(queryset, given)
-
-
-# A filter's text: what access/listing.py reads (no NUL, at most so many characters).
-FILTER_TEXT = {"type": "string", "maxLength": SEARCH_MAX_CHARACTERS, "pattern": "^[^\\u0000]*$"}
-
-
-def filter_parameters(filters: Filters) -> list[OpenApiParameter]:
-    """The schema's description of a list's filter parameters."""
-    found: list[OpenApiParameter] = []
-    if filters.search:
-        found.append(OpenApiParameter(
-            "search", FILTER_TEXT, description=filters.describe.get(
-                "search", "part of " + " or ".join(f.split("__")[0] for f in filters.search))
-            + f" (case-insensitive; at most {SEARCH_MAX_CHARACTERS} characters)"))
-    for param in filters.exact:
-        found.append(OpenApiParameter(param, FILTER_TEXT, description=filters.describe.get(
-            param, f"only those of this {param} (its name)")))
-    for param, options in filters.choices.items():
-        found.append(OpenApiParameter(param, str, enum=list(options),
-                                      description=filters.describe.get(param, "")))
-    return found

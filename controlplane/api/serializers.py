@@ -137,7 +137,8 @@ class DeploymentListSerializer(DeploymentSerializer):
     deployment's own endpoint and on /api/v1/replicas/?deployment=<name>), so a page stays
     small however many replicas each has. `ready_replicas` is counted by the query."""
 
-    ready_replicas = serializers.IntegerField(source="ready_count", read_only=True)
+    ready_replicas = serializers.IntegerField(  # type: ignore[assignment]
+        source="ready_count", read_only=True)
 
     class Meta(DeploymentSerializer.Meta):
         fields = [f for f in DeploymentSerializer.Meta.fields if f != "replica_list"]

@@ -17,7 +17,7 @@ from rest_framework.response import Response
 from access.roles import USER_ROLE_CHOICES, actor_of, create_user, role_of, set_role
 from access.strict_json import StrictJSON
 from controlplane import filters
-from controlplane.api.pagination import FilteredList, filter_parameters
+from controlplane.api.filtering import FilteredList, filter_parameters
 from controlplane.services import audit
 from serving import services
 from serving.models import ApiKey, Team

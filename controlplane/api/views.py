@@ -21,13 +21,8 @@ from rest_framework.response import Response
 
 from access.roles import actor_of
 from controlplane import filters, services
-from controlplane.api.pagination import (
-    BoundedCountPage,
-    FilteredList,
-    count_param,
-    filter_parameters,
-    single_param,
-)
+from controlplane.api.filtering import FilteredList, filter_parameters
+from controlplane.api.pagination import BoundedCountPage, count_param, single_param
 from controlplane.api.serializers import (
     AuditEventSerializer,
     BackendSerializer,

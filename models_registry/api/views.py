@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django.db.models import QuerySet
 from drf_spectacular.utils import (
     OpenApiParameter,
@@ -48,7 +50,7 @@ class ModelViewSet(
     lookup_field = "name"
     lookup_value_regex = "[-a-zA-Z0-9_]+"
 
-    def filter_queryset(self, queryset: QuerySet[Model]) -> QuerySet[Model]:
+    def filter_queryset(self, queryset: QuerySet[Any]) -> QuerySet[Any]:
         """The list filtered by `search`, `status`, `task`, `source` (a bad one: 400)."""
         queryset = super().filter_queryset(queryset)
         if self.action != "list":
