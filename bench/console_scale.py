@@ -52,13 +52,13 @@ models = Model.objects.bulk_create([Model(
     name=f"fleet-model-{m:04d}", display_name=f"Fleet model {m}", source="huggingface",
     source_uri=f"bench/fleet-{m}", status="ready", architecture="LlamaForCausalLM",
     parameter_count=134515008, context_length=8192, dtype="bfloat16", num_layers=30,
-    num_attention_heads=9, num_kv_heads=3, head_size=64) for m in range({models})])
+    num_attention_heads=9, num_kv_heads=3, head_size=64) for m in range(MODELS)])
 backends = Backend.objects.bulk_create([Backend(
-    name=f"fleet-{i:05d}-endpoint", kind="external", config={{"url": "{url}"}})
-    for i in range({n})])
+    name=f"fleet-{i:05d}-endpoint", kind="external", config={"url": URL})
+    for i in range(COUNT)])
 Deployment.objects.bulk_create([Deployment(
     name=f"fleet-{i:05d}", model=models[i % len(models)], backend=backends[i])
-    for i in range({n})])
+    for i in range(COUNT)])
 """
 
 
@@ -71,7 +71,8 @@ class Product(ControlPlane):
         super().__init__()
 
     def fill(self, deployments: int, models: int, closed: str) -> None:
-        self.manage("shell", "-c", FILL.format(n=deployments, models=models, url=closed))
+        self.manage("shell", "-c", f"COUNT, MODELS, URL = {deployments}, {models}, "
+                    f"{closed!r}\n" + FILL)
         self.create_superuser("console", PASSWORD)
         self.cookie = session_cookie(self.url, "console", PASSWORD)
         self.bearer = {"Authorization": f"Bearer {self.admin}"}
