@@ -26,8 +26,10 @@ def deployment_dashboard(request: HttpRequest, name: str) -> HttpResponse:
 
 @role_required("operator")
 def playground(request: HttpRequest) -> HttpResponse:
-    deployments = Deployment.objects.filter(deleting=False).order_by("name")
-    return render(request, "controlplane/playground.html", {"deployments": deployments})
+    # The first two, to start from; the others are typed, with suggestions (never a list
+    # of every deployment: static/js/suggest.js).
+    first = list(Deployment.objects.filter(deleting=False).order_by("name")[:2])
+    return render(request, "controlplane/playground.html", {"first": first})
 
 
 urlpatterns = [

@@ -18,7 +18,6 @@
     column.title = column.element.querySelector(".column-title");
     column.running = false;
   }
-  if (columns.b.select.options.length > 1) columns.b.select.selectedIndex = 1;
 
   function active() { return sideBySide.checked ? ["a", "b"] : ["a"]; }
   function refresh() {
@@ -128,6 +127,9 @@
     }
   });
   sideBySide.addEventListener("change", refresh);
-  for (const column of Object.values(columns)) column.select.addEventListener("change", refresh);
+  for (const column of Object.values(columns)) {
+    column.select.addEventListener("change", refresh);
+    column.select.addEventListener("input", refresh);
+  }
   refresh();
 })();
