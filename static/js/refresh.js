@@ -8,6 +8,8 @@
     const every = Number(element.dataset.refresh) || 5000;
     let tag = null;
     let current = element;
+    let asked = 0;
+    let replaced = 0;
     async function refresh() {
       if (!document.hidden) {
         const headers = { "X-Fragment": current.id };
@@ -23,9 +25,11 @@
             if (fresh && fresh.id === current.id) {
               current.replaceWith(fresh);
               current = fresh;
-              current.dataset.refreshed = String(Number(current.dataset.refreshed || 0) + 1);
+              replaced += 1;
             }
           }
+          asked += 1;
+          current.dataset.refreshes = `${asked} asked, ${replaced} replaced`;
         } catch (error) { /* the next round tries again */ }
       }
       window.setTimeout(refresh, every);

@@ -115,3 +115,29 @@ def test_the_fleet_dashboard_shows_the_busiest_and_applies_what_changed(
     requests = page.locator(f'#fleet tr[data-deployment="{BUSY}"] td.requests').inner_text()
     assert float(requests) > 0
     page.close()
+
+
+def test_the_deployment_list_refreshes_its_page_and_suggests_names(browser: Any,
+                                                                   served: Served) -> None:
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    path = "/deployments/?search=fleet-idle&page=2"
+    page.goto(f"{served.url}/login/?next=/deployments/%3Fsearch%3Dfleet-idle%26page%3D2")
+    page.fill("input[name=username]", served.username)
+    page.fill("input[name=password]", served.password)
+    page.click("button[type=submit]")
+    page.wait_for_url(served.url + path)
+    rows = page.locator("#deployments tr[data-deployment]")
+    assert rows.count() == IDLE - 50 and rows.first.get_attribute(
+        "data-deployment") == "fleet-idle-50"
+    # Two rounds of its own refresh (5 s each): still page 2 of the search, nothing more.
+    page.wait_for_function("() => document.querySelector('#deployment-list').dataset"
+                           ".refreshes?.startsWith('2 asked')", timeout=20_000)
+    assert rows.count() == IDLE - 50
+    assert page.locator('a[rel="prev"]').get_attribute("href") == "?search=fleet-idle"
+    # The form's model: typed, with suggestions from the registry's search.
+    model = page.locator("#deployment-form input[name=model]")
+    model.fill("fa")
+    page.wait_for_function("() => document.getElementById('model-names').dataset.matches"
+                           " === '1'", timeout=10_000)
+    assert page.locator("#model-names option").first.get_attribute("value") == "fake"
+    page.close()
