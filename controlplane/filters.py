@@ -3,7 +3,8 @@ and on the pages alike (access/listing.py reads and applies them)."""
 
 from __future__ import annotations
 
-from django.db.models import Q
+from django.db.models import Count, IntegerField, OuterRef, Q, QuerySet, Subquery
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from access.listing import Filters, choices_of
@@ -52,3 +53,13 @@ KEYS = Filters(
     describe={"search": "part of the name or the prefix",
               "state": "active, revoked or expired", "team": "only this team's keys"})
 
+
+
+def with_ready_count(deployments: QuerySet[Deployment]) -> QuerySet[Deployment]:
+    """Each deployment's ready replicas as `ready_count`, counted per row by a subquery: a
+    list's page count (a COUNT of the filtered rows) leaves it out, where a join and GROUP
+    BY would be counted over the whole fleet."""
+    ready = (Replica.objects.filter(deployment=OuterRef("pk"), phase=Replica.Phase.READY)
+             .order_by().values("deployment").annotate(n=Count("id")).values("n"))
+    counted = Subquery(ready, output_field=IntegerField())
+    return deployments.annotate(ready_count=Coalesce(counted, 0)).order_by("name")

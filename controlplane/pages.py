@@ -8,7 +8,6 @@ from typing import Any
 
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.loader import render_to_string
@@ -59,9 +58,8 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
         else:
             messages.success(request, f"Deployment {deployment.name} created.")
             return redirect("deployment-page", name=deployment.name)
-    deployments = Deployment.objects.select_related("model", "backend").annotate(
-        ready_count=Count("replica_set", filter=Q(replica_set__phase=Replica.Phase.READY))
-    ).order_by("name")
+    deployments = filters.with_ready_count(
+        Deployment.objects.select_related("model", "backend"))
     page, given, error = filtered_page(request, deployments, filters.DEPLOYMENTS)
     context = {"page": page, "given": given, "filtered": bool(given),
                "filter_error": error, "form": form, "states": Deployment.State.choices}

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from django.db.models import Count, Q, QuerySet
+from django.db.models import QuerySet
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import (
@@ -95,8 +95,7 @@ class DeploymentViewSet(FilteredList, viewsets.ModelViewSet):
     def get_queryset(self) -> QuerySet[Deployment]:
         deployments = Deployment.objects.select_related("model", "backend")
         if self.action == "list":
-            return deployments.annotate(ready_count=Count(
-                "replica_set", filter=Q(replica_set__phase=Replica.Phase.READY))).order_by("name")
+            return filters.with_ready_count(deployments)
         return deployments.prefetch_related("replica_set")
 
     def get_serializer_class(self) -> type[serializers.BaseSerializer]:
