@@ -141,3 +141,30 @@ def test_the_deployment_list_refreshes_its_page_and_suggests_names(browser: Any,
                            " === '1'", timeout=10_000)
     assert page.locator("#model-names option").first.get_attribute("value") == "fake"
     page.close()
+
+
+def test_the_playground_takes_a_typed_deployment_and_streams_its_answer(
+        browser: Any, served: Served) -> None:
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{served.url}/login/?next=/playground/")
+    page.fill("input[name=username]", served.username)
+    page.fill("input[name=password]", served.password)
+    page.click("button[type=submit]")
+    page.wait_for_url(served.url + "/playground/")
+    page.wait_for_selector("#live-status.ready")
+    # No list of every deployment: the first one to start from, the rest typed.
+    assert page.locator("#deployment-a").input_value() == "fleet-idle-00"
+    assert page.locator("select#deployment-a, #playground option").count() == 0
+    page.fill("#deployment-a", "zz-fleet")
+    page.wait_for_function("() => document.getElementById('deployment-names').dataset"
+                           ".matches === '1'", timeout=10_000)
+    page.fill("#deployment-a", BUSY)
+    page.fill("#max_tokens", "8")
+    page.fill("#prompt", "Hello")
+    page.click("#send")
+    page.wait_for_function(
+        "() => document.querySelector('[data-column=\"a\"] .stats').dataset.done === '1'",
+        timeout=30_000)
+    assert page.locator('[data-column="a"] .column-title').inner_text() == BUSY
+    assert page.locator('[data-column="a"] .turn.assistant').last.inner_text().strip()
+    page.close()
