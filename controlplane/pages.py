@@ -58,8 +58,12 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
         else:
             messages.success(request, f"Deployment {deployment.name} created.")
             return redirect("deployment-page", name=deployment.name)
+    # Only what a row shows: not the engine args, settings, key, model shape or backend
+    # config of every deployment on the page.
     deployments = filters.with_ready_count(
-        Deployment.objects.select_related("model", "backend"))
+        Deployment.objects.select_related("model", "backend").only(
+            "name", "state", "deleting", "replicas", "conditions", "model__name",
+            "backend__name", "backend__kind"))
     page, given, error = filtered_page(request, deployments, filters.DEPLOYMENTS)
     context = {"page": page, "given": given, "filtered": bool(given),
                "filter_error": error, "form": form, "states": Deployment.State.choices}
