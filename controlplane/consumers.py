@@ -176,7 +176,11 @@ class DashboardConsumer(GuardedConsumer):
             self.group = collector_module.FLEET_GROUP
             await self.channel_layer.group_add(self.group, self.channel_name)
             # The whole view once; the group's messages after it carry what changed.
-            snapshot = publishing.snapshot_text() if store is not None else None
+            if store is not None:
+                snapshot = publishing.snapshot_text()
+            else:  # scale-out: the view the collector left in Redis, if any
+                snapshot = await asyncio.to_thread(publishing.shared_snapshot_text,
+                                                   settings.REDIS_URL)
             if snapshot is not None:
                 await self.send(text_data=snapshot)
             return

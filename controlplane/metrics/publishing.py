@@ -5,13 +5,15 @@ The fleet group gets what changed, not the fleet: its view is the FLEET_ROWS dep
 under the most load (and the totals of all of them). A socket that connects is sent the
 view whole (`fleet`, `snapshot_text`); each pass then sends `fleet.delta`: the rows of the
 view whose figures changed or that entered it, the names that left it, and the totals,
-numbered by `seq`. Every SNAPSHOT_EVERY passes the whole view is sent again, for sockets in
-processes that hold no collector (they have no view to start from) and to mend a socket
-that missed a message.
+numbered by `seq`. Every SNAPSHOT_EVERY passes the whole view is sent again, to mend a
+socket that missed a message. With Redis the whole view is also kept there
+(SNAPSHOT_KEY), so that a socket served by a process that holds no collector starts from
+it at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -79,9 +81,36 @@ class FleetView:
 fleet_view = FleetView()
 
 
+SNAPSHOT_KEY = "fleetplane:dashboard:fleet"  # the whole view, for processes without a collector
+SNAPSHOT_TTL_SECONDS = 60
+
+
 def snapshot_text() -> str | None:
     """The whole fleet view of the last pass in this process (None: no collector here)."""
     return fleet_view.snapshot_text
+
+
+def shared_snapshot_text(redis_url: str | None) -> str | None:
+    """The whole fleet view the collector last left in Redis, for a socket served by a
+    process that holds no collector (scale-out); None without Redis, when the collector
+    has not written one within SNAPSHOT_TTL_SECONDS, or when Redis does not answer (the
+    socket then starts from the next whole view the group is sent)."""
+    if not redis_url:
+        return None
+    from serving.redis_clients import shared
+
+    try:
+        found = shared(redis_url).get(SNAPSHOT_KEY)
+    except Exception as error:
+        logger.info("no shared fleet view (%s)", error)
+        return None
+    return found.decode() if isinstance(found, bytes) else found
+
+
+def _share_snapshot(redis_url: str, text: str) -> None:
+    from serving.redis_clients import shared
+
+    shared(redis_url).set(SNAPSHOT_KEY, text, ex=SNAPSHOT_TTL_SECONDS)
 
 
 async def publish(fleet: dict[str, Any], updates: dict[str, dict[str, Any]]) -> None:
@@ -89,11 +118,16 @@ async def publish(fleet: dict[str, Any], updates: dict[str, dict[str, Any]]) -> 
     is logged, never raised (the next pass sends again)."""
     from channels.layers import get_channel_layer
 
+    from django.conf import settings
+
     message = fleet_view.next_message(fleet)
     layer = get_channel_layer()
     if layer is None:
         return
     try:
+        if settings.REDIS_URL and fleet_view.snapshot_text is not None:
+            await asyncio.to_thread(_share_snapshot, settings.REDIS_URL,
+                                    fleet_view.snapshot_text)
         # Serialised once here, not once per socket.
         await layer.group_send(FLEET_GROUP, {"type": "dashboard.message",
                                              "text": orjson.dumps(message).decode()})

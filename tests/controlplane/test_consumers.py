@@ -438,3 +438,43 @@ async def test_a_fleet_socket_gets_the_whole_view_then_only_what_changed(
     # It entered the busiest 50 (all at 4 requests/s before, by name): the last one left.
     assert delta["removed"] == ["fleet-0249"]
     await communicator.disconnect()
+
+
+async def test_a_fleet_socket_without_a_collector_starts_from_the_view_in_redis(
+        monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
+    """Scale-out: the collector runs in another process; a socket served here is sent
+    the whole view the collector last left in Redis at once, not after up to
+    SNAPSHOT_EVERY passes."""
+    import redis
+
+    from controlplane import collector as collector_module
+    from controlplane.metrics import publishing
+
+    settings.REDIS_URL = "redis://127.0.0.1:6379/5"
+    redis.Redis.from_url(settings.REDIS_URL).delete(publishing.SNAPSHOT_KEY)
+    monkeypatch.setattr(collector_module, "collector", None)
+    communicator, connected, _ = await connect("/ws/dashboard/", await make_user())
+    assert connected
+    assert await communicator.receive_nothing(0.5)  # nothing in Redis yet: nothing sent
+    await communicator.disconnect()
+
+    # The collector's process: its passes leave the whole view in Redis.
+    monkeypatch.setattr(publishing, "fleet_view", publishing.FleetView())
+    fleet = [{"name": f"far-{i:03d}", "ready": 1, "desired": 1, "requests_per_s": float(i)}
+             for i in range(80)]
+    for t in (1.0, 3.0):
+        await publishing.publish({"t": t, "deployments": fleet}, {})
+    # This process holds no view of its own: what it sends comes from Redis.
+    monkeypatch.setattr(publishing, "fleet_view", publishing.FleetView())
+    communicator, connected, _ = await connect("/ws/dashboard/", await make_user("bea"))
+    assert connected
+    first = await receive(communicator)
+    assert first["type"] == "fleet" and first["seq"] == 2 and first["total"] == 80
+    assert first["deployments"][0]["name"] == "far-079"
+    await communicator.disconnect()
+
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens: no view, no failure
+    communicator, connected, _ = await connect("/ws/dashboard/", await make_user("cy"))
+    assert connected
+    assert await communicator.receive_nothing(0.5)
+    await communicator.disconnect()
