@@ -117,7 +117,6 @@ async def publish(fleet: dict[str, Any], updates: dict[str, dict[str, Any]]) -> 
     """Send the fleet's changes and each deployment's update to their groups; a failure
     is logged, never raised (the next pass sends again)."""
     from channels.layers import get_channel_layer
-
     from django.conf import settings
 
     message = fleet_view.next_message(fleet)
