@@ -15,7 +15,9 @@ import asyncio
 import collections
 import functools
 import ssl
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
@@ -62,6 +64,11 @@ def target(base_url: str) -> Target:
     )
 
 
+# Takes body bytes; returns None when it is done with them, else what to await before it
+# can take more (a client reading slower than the replica writes).
+Sink = Callable[[bytes], Awaitable[None] | None]
+
+
 class Response:
     """One upstream answer: status and headers at once, the body as it arrives."""
 
@@ -75,6 +82,12 @@ class Response:
     async def readany(self) -> bytes:
         """Every body byte buffered now (waiting for some if none is); b"" at the end."""
         return await self._connection.read_some()
+
+    def deliver(self, sink: Sink) -> Awaitable[None]:
+        """Hand every body byte to `sink` as it arrives, until the end (the replica's
+        error is raised): straight from the socket's callback while the caller waits, so a
+        chunk costs no wake-up of the caller's task."""
+        return self._connection.deliver(sink)
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -113,6 +126,8 @@ class Connection(asyncio.Protocol):
         self.complete = False
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.sink: Sink | None = None  # takes the body as it arrives (deliver)
+        self.held: Awaitable[None] | None = None  # what the sink waits on before more
         self.length_known = False
         self.keep_alive = False
         # Silence limits, set per request (None: no limit): for the status and headers,
@@ -142,6 +157,10 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self.fail(UpstreamError(f"malformed answer from the replica: {exc}"))
             self.abort()
+            return
+        # Whatever this read brought, in one piece, to the sink while nothing holds it.
+        if self.body and self.sink is not None and self.held is None:
+            self.hand_over()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The socket closed: an answer in progress ends or fails."""
@@ -188,10 +207,10 @@ class Connection(asyncio.Protocol):
         """A piece of the body; reading pauses past HIGH_WATER bytes."""
         self.body.append(body)
         self.buffered += len(body)
-        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self.wake()
+        if self.buffered > HIGH_WATER:
+            self.pause()
+        if self.sink is None:  # a sink is handed the body once the read is parsed
+            self.wake()
 
     def on_message_complete(self) -> None:
         """The answer ended."""
@@ -201,6 +220,41 @@ class Connection(asyncio.Protocol):
         self.wake()
 
     # --- used by the client ------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop reading the socket (the replica waits) until `resume`."""
+        if not self.paused and self.transport is not None and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        """Read the socket again."""
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def take_body(self) -> bytes:
+        """Every body byte buffered, in one piece; reading resumes."""
+        data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        self.body.clear()
+        self.buffered = 0
+        self.resume()
+        return data
+
+    def hand_over(self) -> None:
+        """The buffered body to the sink; when it must wait, reading pauses and `deliver`
+        waits for it."""
+        assert self.sink is not None
+        try:
+            held = self.sink(self.take_body())
+        except Exception as exc:  # the caller's failure ends the answer
+            self.fail(exc)
+            self.abort()
+            return
+        if held is not None:
+            self.held = held
+            self.pause()
+            self.wake()
 
     def wake(self) -> None:
         """Wake the reader waiting for body bytes."""
@@ -286,13 +340,35 @@ class Connection(asyncio.Protocol):
                 await self.waiter
             finally:
                 self.waiter = None
-        data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        self.body.clear()
-        self.buffered = 0
-        if self.paused and self.transport is not None and not self.closed:
-            self.paused = False
-            self.transport.resume_reading()
-        return data
+        return self.take_body()
+
+    async def deliver(self, sink: Sink) -> None:
+        """Hand the body to `sink` as it arrives, until it ends (see Response.deliver)."""
+        self.sink = sink
+        try:
+            while True:
+                if self.held is not None:
+                    held = self.held
+                    await held
+                    self.held = None
+                    self.resume()
+                elif self.body:
+                    self.hand_over()
+                elif self.error is not None:
+                    raise self.error
+                elif self.complete:
+                    return
+                else:
+                    self.waiter = self.loop.create_future()
+                    try:
+                        await self.waiter
+                    finally:
+                        self.waiter = None
+        finally:
+            self.sink = None
+            if isinstance(self.held, Unfinished):
+                self.held.close()
+            self.held = None
 
     def finish(self) -> None:
         """The caller is done: back to the pool if reusable, else closed."""
@@ -317,6 +393,54 @@ class Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
         self.pool.forget(self)
+
+
+class Unfinished:
+    """A coroutine started by hand (`start`) that had to wait: awaiting this runs the rest
+    of it in the awaiting task, which gets what it waits on, its result and its
+    cancellation."""
+
+    __slots__ = ("coroutine", "waiting_on")
+
+    def __init__(self, coroutine: Any, waiting_on: Any) -> None:
+        self.coroutine, self.waiting_on = coroutine, waiting_on
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        value = self.waiting_on
+        while True:
+            try:
+                sent = yield value
+            except GeneratorExit:
+                self.coroutine.close()
+                raise
+            except BaseException as exc:  # a cancellation, handed on
+                try:
+                    value = self.coroutine.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    value = self.coroutine.send(sent)
+                except StopIteration as stop:
+                    return stop.value
+
+    def close(self) -> None:
+        """Abandon it (the awaiting task was cancelled before it got to it)."""
+        self.coroutine.close()
+
+
+def start(awaitable: Awaitable[None]) -> Awaitable[None] | None:
+    """Run a coroutine now, outside any task, as far as it goes without waiting: None when
+    it finished (an ASGI server's send that writes to the socket at once), else the
+    Unfinished rest to await. Any other awaitable is returned to be awaited."""
+    send_to = getattr(awaitable, "send", None)
+    if send_to is None:
+        return awaitable
+    try:
+        waiting_on = send_to(None)
+    except StopIteration:
+        return None
+    return Unfinished(awaitable, waiting_on)
 
 
 class ConnectionPool:

