@@ -138,6 +138,7 @@ class Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.last_heard = 0.0  # loop time of the request or of the last bytes since
         self.watchdog: asyncio.TimerHandle | None = None
+        self.watchdog_due = 0.0
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
@@ -281,10 +282,19 @@ class Connection(asyncio.Protocol):
         return self.head_timeout if waiting_for_head else self.idle_timeout
 
     def watch(self) -> None:
-        """Arm the watchdog for the limit that applies now, unless it is armed."""
+        """Arm the watchdog for the limit that applies now, unless it is armed to look
+        soon enough. A timer armed for an earlier request on this connection is kept: it
+        looks again when it fires, and arming one per request costs more than that."""
         limit = self.limit()
-        if limit and self.watchdog is None:
-            self.watchdog = self.loop.call_at(self.last_heard + limit, self.check_silence)
+        if not limit:
+            return
+        due = self.last_heard + limit
+        if self.watchdog is not None:
+            if self.watchdog_due <= due:
+                return
+            self.watchdog.cancel()
+        self.watchdog_due = due
+        self.watchdog = self.loop.call_at(due, self.check_silence)
 
     def check_silence(self) -> None:
         """The watchdog: stall the answer if the replica has been silent past the limit
@@ -375,11 +385,10 @@ class Connection(asyncio.Protocol):
         if not self.busy:
             return
         self.busy = False
-        self.unwatch()
         reusable = self.complete and self.error is None and not self.closed and self.keep_alive
         self.parser, self.head = None, None
         self.body.clear()
-        if reusable:
+        if reusable:  # its watchdog stays armed for the next request (see watch)
             self.pool.put_back(self)
         else:
             self.abort()

@@ -16,12 +16,12 @@ from collections.abc import Awaitable
 from typing import Any
 
 import orjson
-from django.conf import settings
 
 from serving.calls import GatewayError
 from serving.gateway.call import Call, Receive, Send
-from serving.gateway.placement import wait_for_disconnect
+from serving.gateway.placement import first_done, wait_for_disconnect
 from serving.gateway.resources import Resources
+from serving.hot_settings import hot
 from serving.session import Stream
 from serving.upstream import Response, UpstreamError, start
 
@@ -48,7 +48,7 @@ async def relay_whole(call: Call, stream: Stream, send: Send, headers: Headers,
     response = stream.response
     try:
         payload = await read_unless_gone(response, call.receive,
-                                         settings.GATEWAY_MAX_RESPONSE_BYTES)
+                                         hot.GATEWAY_MAX_RESPONSE_BYTES)
     except ResponseTooLarge as exc:
         response.close()
         stream.status = 502
@@ -94,7 +94,7 @@ async def relay_stream(resources: Resources, call: Call, stream: Stream, send: S
     if key_hash:
         resources.streams.add(key_hash, pump)  # cut off if the key is revoked meanwhile
     try:
-        await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await first_done(pump, watcher)
     except asyncio.CancelledError:
         pump.cancel()
         raise
@@ -283,7 +283,7 @@ async def read_unless_gone(response: Response, receive: Receive, limit: int
     reading = loop.create_task(read_capped(response, limit))
     watcher = loop.create_task(wait_for_disconnect(receive))
     try:
-        await asyncio.wait({reading, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await first_done(reading, watcher)
     finally:
         watcher.cancel()
     if not reading.done():
