@@ -371,6 +371,11 @@ class Side:
         return self.cpu / max(1, self.events) * 1e6
 
     @property
+    def cpu_per_request_ms(self) -> float:
+        """Milliseconds of the process's CPU per request answered."""
+        return self.cpu / max(1, sum(len(run.ttfts) for run in self.runs)) * 1e3
+
+    @property
     def net_cpu_per_event_us(self) -> float:
         """The same, less what the process burns with no traffic over as long."""
         seconds = sum(run.seconds for run in self.runs)
@@ -467,12 +472,14 @@ def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) ->
                               {"fake": p.process.pid, "fast": p.process.pid})
                      for name, p in zip(("this", "other"), products, strict=True)]
         for name in names:
-            load_ = LOADS[name]
+            load_ = LOADS.get(name) or profile_load(name)
             this, other = interleave(load_, endpoints, rounds)
             print(f"{name}: {load_.streams} streams x {load_.tokens} tokens, {rounds} "
                   f"interleaved rounds | this: {this.cpu_per_event_us:.1f} us CPU/event, "
+                  f"{this.cpu_per_request_ms:.3f} ms CPU/request, "
                   f"TTFT p50 {this.ttft_p50():.2f} ms, {this.rate:,.0f} tok/s | other: "
-                  f"{other.cpu_per_event_us:.1f} us CPU/event, TTFT p50 "
+                  f"{other.cpu_per_event_us:.1f} us CPU/event, "
+                  f"{other.cpu_per_request_ms:.3f} ms CPU/request, TTFT p50 "
                   f"{other.ttft_p50():.2f} ms, {other.rate:,.0f} tok/s | CPU/event ratio "
                   f"this/other {this.cpu_per_event_us / other.cpu_per_event_us:.3f} | "
                   f"errors {this.errors}/{other.errors}", flush=True)
@@ -559,7 +566,7 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
             f"{idle[model][index]:.1%}" for model in idle
             for index, endpoint in enumerate(endpoints) if endpoint.pids), flush=True)
         for name in names:
-            load_ = LOADS[name]
+            load_ = LOADS.get(name) or profile_load(name)
             sides = interleave(load_, endpoints, rounds, idle[load_.model])
             results.append((load_, endpoints, sides))
             print_rows(load_, endpoints, sides, rounds)
@@ -742,12 +749,15 @@ def profile_load(text: str) -> Load:
 
 
 def load_names(text: str) -> list[str]:
-    """`--loads paced-128,unpaced-64`: names from LOADS, refused otherwise."""
+    """`--loads paced-128,unpaced-64`: names from LOADS, or (for --compare-with) any load
+    --profile-load takes, e.g. unpaced-128x1; refused otherwise."""
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in LOADS]
+    unknown = [name for name in names if name not in LOADS
+               and not re.fullmatch(r"(paced|unpaced)-\d+(x\d+)?", name)]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown load {', '.join(unknown) or text!r}; "
-                                         f"known: {', '.join(LOADS)}")
+                                         f"known: {', '.join(LOADS)}, or (paced|unpaced)-"
+                                         f"STREAMS[xTOKENS] with --compare-with")
     return names
 
 
