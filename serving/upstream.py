@@ -64,9 +64,10 @@ def target(base_url: str) -> Target:
     )
 
 
-# Takes body bytes; returns None when it is done with them, else what to await before it
-# can take more (a client reading slower than the replica writes).
-Sink = Callable[[bytes], Awaitable[None] | None]
+# Takes body bytes, and whether the answer ends with them; returns None when it is done
+# with them, else what to await before it can take more (a client reading slower than the
+# replica writes).
+Sink = Callable[[bytes, bool], Awaitable[None] | None]
 
 
 class Response:
@@ -86,7 +87,8 @@ class Response:
     def deliver(self, sink: Sink) -> Awaitable[None]:
         """Hand every body byte to `sink` as it arrives, until the end (the replica's
         error is raised): straight from the socket's callback while the caller waits, so a
-        chunk costs no wake-up of the caller's task."""
+        chunk costs no wake-up of the caller's task. The sink is told when the bytes it
+        gets are the last (when the end came with them)."""
         return self._connection.deliver(sink)
 
     async def read(self) -> bytes:
@@ -246,8 +248,9 @@ class Connection(asyncio.Protocol):
         """The buffered body to the sink; when it must wait, reading pauses and `deliver`
         waits for it."""
         assert self.sink is not None
+        last = self.complete and self.error is None
         try:
-            held = self.sink(self.take_body())
+            held = self.sink(self.take_body(), last)
         except Exception as exc:  # the caller's failure ends the answer
             self.fail(exc)
             self.abort()

@@ -86,15 +86,21 @@ async def relay_stream(resources: Resources, call: Call, stream: Stream, send: S
     response = stream.response
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     found: dict[str, Any] = {}
+    events = EventRelay(send, call, found)
     loop = asyncio.get_running_loop()
     # Two tasks per stream, none per chunk: one relays, one waits for the client to go.
-    pump = loop.create_task(relay_events(send, response, call, found))
+    pump = loop.create_task(relay_events(events, response))
     watcher = loop.create_task(wait_for_disconnect(call.receive))
     key_hash = call.key.key_hash if call.key is not None else ""
     if key_hash:
         resources.streams.add(key_hash, pump)  # cut off if the key is revoked meanwhile
     try:
         await first_done(pump, watcher)
+        if events.ended and not pump.done():
+            # The answer went out whole from the socket's callback, which ends the
+            # client's side too (its receive says so): not a client that left. The
+            # relay returns on its next step.
+            await asyncio.wait({pump})
     except asyncio.CancelledError:
         pump.cancel()
         raise
@@ -132,14 +138,15 @@ async def send_error_event(send: Send, message: str, kind: str, code: str | int)
                     "body": b"data: " + orjson.dumps(event) + b"\n\n", "more_body": False})
 
 
-async def relay_events(send: Send, response: Response, call: Call,
-                       found: dict[str, Any]) -> None:
+async def relay_events(events: EventRelay, response: Response) -> None:
     """Relay the upstream as it arrives: whatever bytes one read of the replica's socket
     brought, in one write, handed over from the socket's callback (no wake-up of this
-    task per chunk unless the client reads slower than the replica writes)."""
-    events = EventRelay(send, call, found)
+    task per chunk unless the client reads slower than the replica writes); the end of
+    the answer in the same write as its last bytes when they came together."""
     await response.deliver(events.take)
-    await send({"type": "http.response.body", "body": events.pending, "more_body": False})
+    if not events.ended:
+        await events.send({"type": "http.response.body", "body": events.pending,
+                           "more_body": False})
 
 
 class EventRelay:
@@ -147,15 +154,17 @@ class EventRelay:
     waits for its end); the final usage event taken out unless asked for, the usage so
     far too where the replica adds it; the chunks timed and the events counted."""
 
-    __slots__ = ("call", "found", "pending", "send", "strip", "timing")
+    __slots__ = ("call", "ended", "found", "pending", "send", "strip", "timing")
 
     def __init__(self, send: Send, call: Call, found: dict[str, Any]) -> None:
         self.send, self.call, self.found, self.timing = send, call, found, call.timing
         self.pending = b""
         self.strip = call.running_usage and not call.wants_running_usage
+        self.ended = False  # the client's answer was ended (with the last bytes)
 
-    def take(self, chunk: bytes) -> Awaitable[None] | None:
-        """One chunk in; what the send must still wait on, if anything."""
+    def take(self, chunk: bytes, last: bool) -> Awaitable[None] | None:
+        """One chunk in (`last`: the answer ends with it); what the send must still wait
+        on, if anything."""
         timing = self.timing
         now = time.perf_counter()
         if timing.chunks == 0:
@@ -168,7 +177,7 @@ class EventRelay:
         cut = data.rfind(b"\n\n")
         if cut < 0:
             self.pending = data
-            return None
+            return self.end(b"") if last else None
         if cut + 2 == len(data):
             complete, self.pending = data, b""
         else:
@@ -180,10 +189,20 @@ class EventRelay:
             self.found["last"] = complete
             if self.strip:
                 complete = strip_running_usage(complete)
+        if last:
+            return self.end(complete)
         if not complete:
             return None
         return start(self.send({"type": "http.response.body", "body": complete,
                                 "more_body": True}))
+
+    def end(self, complete: bytes) -> Awaitable[None] | None:
+        """The last events, and whatever partial event is left, in the answer's last
+        write."""
+        self.ended = True
+        body, self.pending = complete + self.pending, b""
+        return start(self.send({"type": "http.response.body", "body": body,
+                                "more_body": False}))
 
 
 # vLLM's usage so far on a chunk (`continuous_usage_stats`): `,"usage":{...}` after the

@@ -318,14 +318,15 @@ async def test_delivered_reads_come_in_one_piece_each_and_in_order(server: RawSe
     server.handler = handler
     pool = ConnectionPool()
     response = await pool.request("POST", server.url, "/v1/completions", b"{}")
-    pieces: list[bytes] = []
+    pieces: list[tuple[bytes, bool]] = []
 
-    def sink(data: bytes) -> None:
-        pieces.append(data)
+    def sink(data: bytes, last: bool) -> None:
+        pieces.append((data, last))
         go_on.set()
 
     await asyncio.wait_for(response.deliver(sink), 5)
-    assert pieces == [b"abcdef", b"gh"]
+    # The end came in the same read as the last piece: the sink was told.
+    assert pieces == [(b"abcdef", False), (b"gh", True)]
     response.release()
     pool.close()
 
@@ -353,7 +354,7 @@ async def test_a_sink_that_must_wait_holds_the_rest_back_until_it_is_done(
         await slow_client.wait()
         pieces.append(data)
 
-    def sink(data: bytes) -> Awaitable[None] | None:
+    def sink(data: bytes, last: bool) -> Awaitable[None] | None:
         if pieces:
             pieces.append(data)
             return None
@@ -380,7 +381,7 @@ async def test_a_replica_that_breaks_mid_delivery_fails_it(server: RawServer) ->
     response = await pool.request("POST", server.url, "/v1/completions", b"{}")
     pieces: list[bytes] = []
     with pytest.raises(UpstreamError, match="closed the connection"):
-        await asyncio.wait_for(response.deliver(pieces.append), 5)
+        await asyncio.wait_for(response.deliver(lambda data, last: pieces.append(data)), 5)
     assert pieces == [b"only part"]
     response.release()
     pool.close()
@@ -414,7 +415,7 @@ async def test_a_send_started_at_once_that_must_wait_finishes_in_order(
 
     pool = ConnectionPool()
     response = await pool.request("POST", server.url, "/v1/completions", b"{}")
-    delivering = asyncio.ensure_future(response.deliver(lambda data: start(send(data))))
+    delivering = asyncio.ensure_future(response.deliver(lambda data, last: start(send(data))))
     await until(lambda: response._connection.paused, "reading to pause for the client")
     drained.set()
     await asyncio.wait_for(delivering, 5)
@@ -444,7 +445,7 @@ async def test_a_delivery_cancelled_while_a_send_waits_ends_that_send(
 
     pool = ConnectionPool()
     response = await pool.request("POST", server.url, "/v1/completions", b"{}")
-    delivering = asyncio.ensure_future(response.deliver(lambda data: start(send(data))))
+    delivering = asyncio.ensure_future(response.deliver(lambda data, last: start(send(data))))
     await until(lambda: response._connection.paused, "the send to wait")
     delivering.cancel()
     with pytest.raises(asyncio.CancelledError):
