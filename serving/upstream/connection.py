@@ -1,30 +1,22 @@
-"""The gateway's upstream HTTP/1.1 client: keep-alive pools per replica, one write per
-request, the C parser uvicorn itself uses (httptools) for responses, and the body handed on
-as it arrives (whatever is buffered, in one piece).
-
-It does only what the gateway needs of a replica (vLLM's OpenAI server or any HTTP/1.1
-OpenAI-compatible endpoint): a request with a body, a response read whole or as a stream,
-chunked or sized bodies, plain HTTP or TLS. A general client (aiohttp, httpx) spends several
-times as long per request on features the relay never uses; on two shared cores that time
-is what a burst of new streams queues behind.
-"""
+"""One keep-alive HTTP/1.1 connection to a replica (an asyncio protocol parsing with
+httptools), and the Response it hands the caller: status and headers at once, the body read
+as it arrives or delivered to a sink from the socket's callback."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import functools
-import ssl
-from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass
-from typing import Any
-from urllib.parse import urlsplit
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import httptools
 
-CONNECT_TIMEOUT = 5.0
+from serving.upstream.eager import Unfinished
+
+if TYPE_CHECKING:
+    from serving.upstream.pool import ConnectionPool
+
 HIGH_WATER = 1 << 20  # bytes buffered before the socket stops being read
-IDLE_PER_HOST = 256
 
 
 class UpstreamError(Exception):
@@ -36,32 +28,6 @@ class UpstreamStalled(UpstreamError):
     deadlocked) while its socket stays open, which no connection error would ever say."""
 
 
-@dataclass(frozen=True)
-class Target:
-    """A replica's base URL, parsed: where to connect and what to send."""
-
-    host: str
-    port: int
-    prefix: str
-    tls: bool
-    host_header: bytes
-
-
-@functools.lru_cache(maxsize=4096)
-def target(base_url: str) -> Target:
-    """A replica's base URL, parsed once."""
-    parts = urlsplit(base_url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UpstreamError(f"not an http(s) URL: {base_url!r}")
-    tls = parts.scheme == "https"
-    port = parts.port or (443 if tls else 80)
-    return Target(
-        parts.hostname,
-        port,
-        parts.path.rstrip("/"),
-        tls,
-        (parts.netloc.rsplit("@", 1)[-1]).encode("idna"),
-    )
 
 
 # Takes body bytes, and whether the answer ends with them; returns None when it is done
@@ -405,176 +371,3 @@ class Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
         self.pool.forget(self)
-
-
-class Unfinished:
-    """A coroutine started by hand (`start`) that had to wait: awaiting this runs the rest
-    of it in the awaiting task, which gets what it waits on, its result and its
-    cancellation."""
-
-    __slots__ = ("coroutine", "waiting_on")
-
-    def __init__(self, coroutine: Any, waiting_on: Any) -> None:
-        self.coroutine, self.waiting_on = coroutine, waiting_on
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        value = self.waiting_on
-        while True:
-            try:
-                sent = yield value
-            except GeneratorExit:
-                self.coroutine.close()
-                raise
-            except BaseException as exc:  # a cancellation, handed on
-                try:
-                    value = self.coroutine.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                try:
-                    value = self.coroutine.send(sent)
-                except StopIteration as stop:
-                    return stop.value
-
-    def close(self) -> None:
-        """Abandon it (the awaiting task was cancelled before it got to it)."""
-        self.coroutine.close()
-
-
-def start(awaitable: Awaitable[None]) -> Awaitable[None] | None:
-    """Run a coroutine now, outside any task, as far as it goes without waiting: None when
-    it finished (an ASGI server's send that writes to the socket at once), else the
-    Unfinished rest to await. Any other awaitable is returned to be awaited."""
-    send_to = getattr(awaitable, "send", None)
-    if send_to is None:
-        return awaitable
-    try:
-        waiting_on = send_to(None)
-    except StopIteration:
-        return None
-    return Unfinished(awaitable, waiting_on)
-
-
-class ConnectionPool:
-    """Keep-alive connections per replica (host, port, TLS), reused most recent first."""
-
-    def __init__(self) -> None:
-        self.idle: dict[tuple[str, int, bool], list[Connection]] = {}
-        self._tls: ssl.SSLContext | None = None
-
-    def tls_context(self) -> ssl.SSLContext:
-        """The TLS context, made on first use."""
-        if self._tls is None:
-            self._tls = ssl.create_default_context()
-        return self._tls
-
-    async def connect(self, where: Target) -> Connection:
-        """A new connection to the replica (UpstreamError on failure)."""
-        loop = asyncio.get_running_loop()
-        key = (where.host, where.port, where.tls)
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT):
-                _, connection = await loop.create_connection(
-                    lambda: Connection(self, key),
-                    where.host,
-                    where.port,
-                    ssl=self.tls_context() if where.tls else None,
-                )
-        except TimeoutError:
-            raise UpstreamError(
-                f"no connection to {where.host}:{where.port} within {CONNECT_TIMEOUT:g} s"
-            ) from None
-        except OSError as exc:
-            raise UpstreamError(
-                f"cannot connect to {where.host}:{where.port}: {exc.strerror or exc}"
-            ) from None
-        return connection
-
-    def take_idle(self, where: Target) -> Connection | None:
-        """A kept-alive connection to the replica, if one is open."""
-        idle = self.idle.get((where.host, where.port, where.tls))
-        while idle:
-            connection = idle.pop()
-            if not connection.closed:
-                connection.reused = True
-                return connection
-        return None
-
-    def put_back(self, connection: Connection) -> None:
-        """Keep a connection for the next request (up to IDLE_PER_HOST)."""
-        idle = self.idle.setdefault(connection.key, [])
-        if len(idle) < IDLE_PER_HOST:
-            idle.append(connection)
-        else:
-            connection.abort()
-
-    def forget(self, connection: Connection) -> None:
-        """Drop a closed connection from the idle ones."""
-        idle = self.idle.get(connection.key)
-        if idle and connection in idle:
-            idle.remove(connection)
-
-    async def request(
-        self,
-        method: str,
-        base_url: str,
-        path: str,
-        body: bytes = b"",
-        headers: tuple[tuple[str, str], ...] = (),
-        *,
-        head_timeout: float | None = None,
-        idle_timeout: float | None = None,
-    ) -> Response:
-        """Send one request to a replica and wait for the answer's status and headers.
-        `head_timeout` bounds the wait for them, `idle_timeout` each wait for body bytes
-        after them (None: no bound); either one run out is UpstreamStalled."""
-        where = target(base_url)
-        lines = [
-            f"{method} {where.prefix}{path} HTTP/1.1\r\n".encode("latin-1"),
-            b"Host: ",
-            where.host_header,
-            b"\r\n",
-        ]
-        if body or method in ("POST", "PUT", "PATCH"):
-            lines.append(b"Content-Length: %d\r\n" % len(body))
-        for name, value in headers:
-            if "\r" in value or "\n" in value:  # never let a value start a header of its own
-                raise UpstreamError(f"the {name} header holds a line break")
-            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        lines.append(b"\r\n")
-        lines.append(body)
-        request = b"".join(lines)
-        connection = self.take_idle(where)
-        if connection is not None:
-            connection.head_timeout, connection.idle_timeout = head_timeout, idle_timeout
-            try:
-                return await connection.send(request)
-            except UpstreamStalled:
-                raise  # the replica is there but silent: another connection would wait too
-            except UpstreamError:
-                # The replica closed the kept-alive connection before reading the request:
-                # nothing reached it, so sending again on a new connection is safe.
-                if connection.received:
-                    raise
-        connection = await self.connect(where)
-        connection.head_timeout, connection.idle_timeout = head_timeout, idle_timeout
-        return await connection.send(request)
-
-    async def get_text(self, base_url: str, path: str,
-                       headers: tuple[tuple[str, str], ...] = ()) -> str:
-        """GET a text document (a replica's /metrics) whole; a status other than 200 is an
-        UpstreamError. Callers bound the wait with asyncio.timeout."""
-        response = await self.request("GET", base_url, path, headers=headers)
-        try:
-            if response.status != 200:
-                raise UpstreamError(f"GET {path}: HTTP {response.status}")
-            return (await response.read()).decode("utf-8", "replace")
-        finally:
-            response.release()
-
-    def close(self) -> None:
-        """Close every idle connection."""
-        for idle in list(self.idle.values()):
-            for connection in list(idle):
-                connection.abort()
-        self.idle.clear()
