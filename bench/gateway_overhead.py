@@ -24,14 +24,19 @@ CPU per event at most the router's) met or missed.
 With --compare-with PATH (another checkout of the project, e.g. a `git worktree` of an
 older commit with the same .venv), a second server runs that checkout's code before the
 same engines instead, and each load is sent to the two in interleaved rounds (A, B, A, B);
-it prints each server's CPU time per relayed event and their ratio.
+it prints each server's CPU time per relayed event and their ratio. With --local, the
+engines are replicas each control plane runs itself (a `local` backend whose interpreter
+is fakes/vllm_cli.py's stand-in, the same fake engine): their streams carry vLLM's usage
+so far on every chunk (`continuous_usage_stats`), which the gateway reads and takes out,
+as for any replica the control plane runs; external deployments skip that work.
 
 With --profile PATH, py-spy (from the benchmark's environment) samples the gateway process
 while 128 paced streams go through it, writes the raw collapsed stacks to PATH and prints
 where the time goes (bench/profile_summary.py).
 
     .venv/bin/python bench/gateway_overhead.py [--loads NAME,...] [--rounds N] [--quick]
-        [--no-router] [--vllm] [--compare-with PATH] [--profile PATH [--profile-native]]
+        [--no-router] [--vllm] [--compare-with PATH [--local]]
+        [--profile PATH [--profile-native]]
 """
 
 from __future__ import annotations
@@ -57,7 +62,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.profile_summary import summarize_profile  # noqa: E402
+from fakes.vllm_cli import stand_in_python  # noqa: E402
 from tests.processes import (  # noqa: E402
+    end_replicas,
     free_port,
     manage,
     server_env,
@@ -218,6 +225,23 @@ class ControlPlane:
         self.api("/api/v1/deployments/", {"name": name, "model": f"{name}-model",
                                           "backend": f"{name}-endpoint",
                                           "engine_args": {"served_model_name": name}})
+        self.wait_routable(name)
+
+    def run_locally(self, name: str, python: str) -> None:
+        """`name` served by one replica this control plane runs (a local backend whose
+        interpreter is `python`, a stand-in serving the fake engine)."""
+        weights = Path(tempfile.mkdtemp(prefix=f"gateway-bench-{name}-weights-"))
+        self.manage("shell", "-c", "from tests.factories import make_model; "
+                                   f"make_model({name + '-model'!r}, path={str(weights)!r})")
+        self.api("/api/v1/backends/", {"name": f"{name}-fakes", "kind": "local",
+                                       "config": {"python": python}})
+        self.api("/api/v1/deployments/", {"name": name, "model": f"{name}-model",
+                                          "backend": f"{name}-fakes", "replicas": 1,
+                                          "engine_args": {"served_model_name": name}})
+        self.wait_routable(name)
+
+    def wait_routable(self, name: str) -> None:
+        """Until the gateway lists `name` with a ready replica."""
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             models = httpx.get(f"{self.url}/v1/models", timeout=5,
@@ -248,6 +272,7 @@ class ControlPlane:
         for helper in helpers:
             with contextlib.suppress(psutil.Error):
                 helper.kill()
+        end_replicas(self.env["DATA_DIR"])  # replicas it ran (they outlive it on purpose)
 
 
 class OtherCheckout(ControlPlane):
@@ -316,7 +341,7 @@ class Endpoint:
             return 0.0
         total = 0.0
         process = psutil.Process(self.pids[model])
-        for member in (process, *process.children(recursive=True)):
+        for member in (process, *helpers_of(process)):
             with contextlib.suppress(psutil.Error):
                 times = member.cpu_times()
                 total += times.user + times.system
@@ -346,6 +371,11 @@ class Side:
         return self.cpu / max(1, self.events) * 1e6
 
     @property
+    def cpu_per_request_ms(self) -> float:
+        """Milliseconds of the process's CPU per request answered."""
+        return self.cpu / max(1, sum(len(run.ttfts) for run in self.runs)) * 1e3
+
+    @property
     def net_cpu_per_event_us(self) -> float:
         """The same, less what the process burns with no traffic over as long."""
         seconds = sum(run.seconds for run in self.runs)
@@ -362,6 +392,22 @@ class Side:
     def rate(self) -> float:
         """Tokens per second over every round."""
         return sum(run.tokens for run in self.runs) / sum(run.seconds for run in self.runs)
+
+
+def helpers_of(process: object) -> list[object]:
+    """A relaying process's own children (the collector's parser), every level down, but
+    not the replicas a control plane runs (they carry FLEETPLANE_REPLICA in their
+    environment) nor anything below them: those are engines, not relaying."""
+    import psutil
+
+    assert isinstance(process, psutil.Process)
+    found: list[object] = []
+    with contextlib.suppress(psutil.Error):
+        for child in process.children():
+            with contextlib.suppress(psutil.Error):
+                if "FLEETPLANE_REPLICA" not in child.environ():
+                    found += [child, *helpers_of(child)]
+    return found
 
 
 def idle_burn(endpoints: list[Endpoint], seconds: float) -> dict[str, list[float]]:
@@ -401,26 +447,39 @@ def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) ->
     other_root = Path(options.compare_with).resolve()
     rounds = options.rounds or (2 if options.quick else 4)
     names = options.loads or ["paced-1", "paced-16", "unpaced-64"]
+    pythons: dict[str, str] = {}
+    if options.local:  # a stand-in interpreter per pace, for both control planes
+        for model, interval in (("fake", 10.0), ("fast", 0.0)):
+            folder = Path(tempfile.mkdtemp(prefix=f"gateway-bench-{model}-"))
+            pythons[model] = stand_in_python(folder, token_interval_ms=interval)
+        extra_env = {**extra_env, "LOCAL_BACKEND_PYTHONS": ",".join(pythons.values())}
     products = [ControlPlane(**extra_env), OtherCheckout(other_root, extra_env)]
     processes: list[subprocess.Popen[bytes]] = []
     summary: list[str] = []
     try:
-        paced, paced_url = start_engine(10.0, "fake")
-        unpaced, unpaced_url = start_engine(0.0, "fast")
-        processes += [paced, unpaced]
-        for product in products:
-            product.route("fake", paced_url)
-            product.route("fast", unpaced_url)
+        if options.local:
+            for product in products:
+                for model, python in pythons.items():
+                    product.run_locally(model, python)
+        else:
+            paced, paced_url = start_engine(10.0, "fake")
+            unpaced, unpaced_url = start_engine(0.0, "fast")
+            processes += [paced, unpaced]
+            for product in products:
+                product.route("fake", paced_url)
+                product.route("fast", unpaced_url)
         endpoints = [Endpoint(name, {"fake": p.url, "fast": p.url}, p.key,
                               {"fake": p.process.pid, "fast": p.process.pid})
                      for name, p in zip(("this", "other"), products, strict=True)]
         for name in names:
-            load_ = LOADS[name]
+            load_ = LOADS.get(name) or profile_load(name)
             this, other = interleave(load_, endpoints, rounds)
             print(f"{name}: {load_.streams} streams x {load_.tokens} tokens, {rounds} "
                   f"interleaved rounds | this: {this.cpu_per_event_us:.1f} us CPU/event, "
+                  f"{this.cpu_per_request_ms:.3f} ms CPU/request, "
                   f"TTFT p50 {this.ttft_p50():.2f} ms, {this.rate:,.0f} tok/s | other: "
-                  f"{other.cpu_per_event_us:.1f} us CPU/event, TTFT p50 "
+                  f"{other.cpu_per_event_us:.1f} us CPU/event, "
+                  f"{other.cpu_per_request_ms:.3f} ms CPU/request, TTFT p50 "
                   f"{other.ttft_p50():.2f} ms, {other.rate:,.0f} tok/s | CPU/event ratio "
                   f"this/other {this.cpu_per_event_us / other.cpu_per_event_us:.3f} | "
                   f"errors {this.errors}/{other.errors}", flush=True)
@@ -432,7 +491,8 @@ def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) ->
             product.stop()
         for process in processes:
             process.kill()
-    print(f"gateway overhead against {other_root}: " + "; ".join(summary))
+    print(f"gateway overhead against {other_root}"
+          f"{' (local replicas)' if options.local else ''}: " + "; ".join(summary))
 
 
 def router_executable(folder: Path) -> Path:
@@ -506,7 +566,7 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
             f"{idle[model][index]:.1%}" for model in idle
             for index, endpoint in enumerate(endpoints) if endpoint.pids), flush=True)
         for name in names:
-            load_ = LOADS[name]
+            load_ = LOADS.get(name) or profile_load(name)
             sides = interleave(load_, endpoints, rounds, idle[load_.model])
             results.append((load_, endpoints, sides))
             print_rows(load_, endpoints, sides, rounds)
@@ -689,12 +749,15 @@ def profile_load(text: str) -> Load:
 
 
 def load_names(text: str) -> list[str]:
-    """`--loads paced-128,unpaced-64`: names from LOADS, refused otherwise."""
+    """`--loads paced-128,unpaced-64`: names from LOADS, or (for --compare-with) any load
+    --profile-load takes, e.g. unpaced-128x1; refused otherwise."""
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in LOADS]
+    unknown = [name for name in names if name not in LOADS
+               and not re.fullmatch(r"(paced|unpaced)-\d+(x\d+)?", name)]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown load {', '.join(unknown) or text!r}; "
-                                         f"known: {', '.join(LOADS)}")
+                                         f"known: {', '.join(LOADS)}, or (paced|unpaced)-"
+                                         f"STREAMS[xTOKENS] with --compare-with")
     return names
 
 
@@ -726,9 +789,14 @@ def main() -> None:
                         help="a setting for the control plane under test")
     parser.add_argument("--compare-with", metavar="PATH", help="another checkout of the "
                         "project: its gateway against this one's, in interleaved rounds")
+    parser.add_argument("--local", action="store_true", help="with --compare-with: the "
+                        "engines are replicas each control plane runs (their chunks carry "
+                        "the usage so far, which the gateway takes out)")
     options = parser.parse_args()
     if options.rounds is not None and options.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if options.local and not options.compare_with:
+        parser.error("--local goes with --compare-with")
     extra_env = dict(item.split("=", 1) for item in options.env)
     if options.compare_with:
         compare_checkouts(options, extra_env)

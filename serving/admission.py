@@ -26,6 +26,7 @@ from typing import Any
 
 from django.conf import settings
 
+from serving.hot_settings import hot
 from serving.priority import PriorityClass
 
 RATE_WINDOW = 30.0  # seconds of finished requests the service rate is measured over
@@ -201,7 +202,7 @@ class Admission:
         refuse_if_full(lane, priority, owner, now)
         waiter = Waiter(priority, now, next(self.counter),
                         asyncio.get_running_loop().create_future(), owner)
-        aging = float(settings.GATEWAY_QUEUE_AGING_SECONDS)
+        aging = float(hot.GATEWAY_QUEUE_AGING_SECONDS)
         position = 1 + lane.ahead_of(waiter, now, aging)
         estimated = lane.estimate(position - 1, now, priority.max_wait_seconds)
         queue.append(waiter)
@@ -254,7 +255,7 @@ class Admission:
         """Let the best-ranked waiters take the free slots their classes may use: compare
         the head of each class's queue, never the whole queue."""
         now = time.monotonic()
-        aging = float(settings.GATEWAY_QUEUE_AGING_SECONDS)
+        aging = float(hot.GATEWAY_QUEUE_AGING_SECONDS)
         while lane.busy < lane.capacity:
             heads = []
             for queue in lane.queues.values():

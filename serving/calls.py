@@ -5,9 +5,32 @@ error every refusal is answered with, in OpenAI's shape."""
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import Any
 
 import orjson
+
+
+class IdMaker:
+    """Ids for requests and usage records: 32 hex digits, as uuid4's, unique across
+    processes and restarts (16 random ones per process, drawn again in a forked child,
+    then a counter), made without a system call or a UUID object each: a request takes
+    two."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = os.urandom(8).hex()
+        self.counter = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self.counter):016x}"
+
+
+new_id = IdMaker()
 
 
 class GatewayError(Exception):

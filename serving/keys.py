@@ -27,6 +27,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db.models.signals import post_delete, post_save
 
+from serving.hot_settings import hot
 from serving.models import ApiKey, Team
 
 logger = logging.getLogger(__name__)
@@ -221,7 +222,7 @@ async def _cached_or_fetched(key_hash: str, cached: tuple[KeyInfo | None, float]
     if cached is not None:
         info, fetched = cached
         age = time.monotonic() - fetched
-        ttl = settings.KEY_CACHE_SECONDS
+        ttl = hot.KEY_CACHE_SECONDS
         if age <= ttl:
             if age > ttl / 2 and key_hash not in _lookups:
                 # Refresh ahead, in the background: a key in use never waits for the

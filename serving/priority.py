@@ -76,6 +76,6 @@ def parse_classes(text: str | None, variable: str = "PRIORITY_CLASSES"
 
 
 def classes() -> dict[str, PriorityClass]:
-    from django.conf import settings
+    from serving.hot_settings import hot
 
-    return settings.PRIORITY_CLASSES  # type: ignore[no-any-return]
+    return hot.PRIORITY_CLASSES  # type: ignore[no-any-return]

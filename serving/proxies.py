@@ -14,7 +14,7 @@ import ipaddress
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from django.conf import settings
+from serving.hot_settings import hot
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Scope = dict[str, Any]
@@ -50,7 +50,7 @@ def _trusted(address: str, networks: tuple[Network, ...]) -> bool:
 def client_address(scope: Scope) -> str:
     """The calling client's address as far as it can be trusted."""
     peer = str((scope.get("client") or ("", 0))[0] or "")
-    networks = _networks(tuple(settings.TRUSTED_PROXIES))
+    networks = _networks(tuple(hot.TRUSTED_PROXIES))
     if not networks or not _trusted(peer, networks):
         return peer
     hops: list[str] = []
@@ -72,7 +72,7 @@ def with_client_address(app: App) -> App:
     gateway, Django (REMOTE_ADDR) and the consumers all see the same one."""
 
     async def wrapped(scope: Scope, receive: Any, send: Any) -> None:
-        if scope.get("type") in ("http", "websocket") and settings.TRUSTED_PROXIES:
+        if scope.get("type") in ("http", "websocket") and hot.TRUSTED_PROXIES:
             address = client_address(scope)
             client = scope.get("client") or ("", 0)
             if address != client[0]:

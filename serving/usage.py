@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 import weakref
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -30,6 +29,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from serving import metrics
+from serving.calls import new_id
 
 logger = logging.getLogger(__name__)
 FLUSH_AT = 1000
@@ -57,7 +57,7 @@ class Usage:
     itl_ms: float | None
     e2e_ms: float
     username: str = ""
-    record_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    record_id: str = field(default_factory=new_id)
 
 
 _writers: weakref.WeakSet[UsageWriter] = weakref.WeakSet()

@@ -21,7 +21,7 @@ def record(writer: UsageWriter | None, call: Call, replica: str, status: int,
     timing, model = call.timing, call.model
     end = timing.last_chunk or time.perf_counter()
     metrics.child(metrics.REQUESTS, model, call.deployment, str(status)).inc()
-    metrics.E2E.labels(model).observe(end - timing.arrived)
+    metrics.child(metrics.E2E, model).observe(end - timing.arrived)
     ttft = timing.first_byte - timing.arrived if timing.first_byte else None
     if ttft is not None:
         metrics.child(metrics.TTFT, model).observe(ttft)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 import orjson
 
-from serving.calls import GatewayError
+from serving.calls import GatewayError, new_id
 from serving.gateway.call import Call, Receive, Scope, Send, Timing, build_call, header
 from serving.gateway.guard import (
     authenticate_caller,
@@ -86,7 +85,7 @@ class Gateway:
         request_id = header(scope, b"x-request-id") or ""
         if (not request_id or len(request_id) > REQUEST_ID_MAX_LENGTH
                 or not request_id.isprintable()):
-            request_id = uuid.uuid4().hex  # absent, or not fit to log and pass on
+            request_id = new_id()  # absent, or not fit to log and pass on
         base_headers = [(b"x-request-id", request_id.encode())]
         try:
             path, method = scope["path"], scope["method"]

@@ -10,7 +10,6 @@ the body rewritten for the replica where it must be.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from serving.calls import (
     GatewayError,
     check_parameters,
     estimate_prompt_tokens,
+    new_id,
     prompt_prefix,
     reserved_completion_tokens,
 )
@@ -57,7 +57,7 @@ class Call:
     path: str  # the replica's path, e.g. /v1/chat/completions
     raw: bytes  # the body the replica gets
     stream: bool
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=new_id)
     key: KeyInfo | None = None
     user: str = ""  # the playground's user, who has no key
     priority: PriorityClass | None = None  # None: the default class

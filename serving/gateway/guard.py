@@ -14,6 +14,7 @@ from serving.admission import retry_after_header
 from serving.calls import GatewayError, well_formed
 from serving.gateway.call import Call, Receive, Scope, header
 from serving.gateway.resources import Resources
+from serving.hot_settings import hot
 from serving.keys import KeyInfo, KeysUnavailable, authenticate
 from serving.ratelimit import Limit, key_limits
 
@@ -77,7 +78,7 @@ async def check_key(scope: Scope) -> KeyInfo:
 
 async def read_body(scope: Scope, receive: Receive) -> bytes:
     """The request body, at most GATEWAY_MAX_BODY_BYTES (else 413)."""
-    limit = settings.GATEWAY_MAX_BODY_BYTES
+    limit = hot.GATEWAY_MAX_BODY_BYTES
     declared = header(scope, b"content-length")
     # isdigit() alone takes "¹" (a latin-1 header byte) for a digit int() refuses.
     if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
@@ -102,7 +103,7 @@ def hold_for_key(in_flight: dict[int, int], key: KeyInfo) -> None:
     """Count a request against its key's GATEWAY_KEY_MAX_IN_FLIGHT (429 beyond it); the
     caller lets go with `let_go_for_key` when the request ends."""
     held = in_flight.get(key.key_id, 0)
-    most = settings.GATEWAY_KEY_MAX_IN_FLIGHT
+    most = hot.GATEWAY_KEY_MAX_IN_FLIGHT
     if most and held >= most:
         metrics.child(metrics.REFUSED, "-", "key_in_flight").inc()
         raise GatewayError(429, f"this API key already has {held} requests in flight "

@@ -15,9 +15,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from django.conf import settings
-
 from serving.admission import Admission
+from serving.hot_settings import hot
 from serving.ratelimit import Limit, Limiter, MemoryLimiter, RedisLimiter
 from serving.redis_clients import for_event_loop
 from serving.router import Router
@@ -82,7 +81,7 @@ class Resources:
 
     def follow_settings(self) -> None:
         """Take a changed REDIS_URL: a new client, and budgets kept where it says."""
-        url = settings.REDIS_URL or ""
+        url = hot.REDIS_URL or ""
         if url == self.redis_url:
             return
         old, self.redis_url = self.redis, url

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import pytest_asyncio
 
-from serving.upstream import ConnectionPool, UpstreamError, UpstreamStalled
+from serving.upstream import ConnectionPool, UpstreamError, UpstreamStalled, start
 
 
 async def until(check: Callable[[], bool], what: str, seconds: float = 5) -> None:
@@ -298,4 +298,158 @@ async def test_a_stream_that_keeps_sending_outlives_its_idle_limit_many_times(
                                   head_timeout=0.3, idle_timeout=0.3)
     assert await response.read() == b"x" * 12
     response.release()
+    pool.close()
+
+
+async def test_delivered_reads_come_in_one_piece_each_and_in_order(server: RawServer) -> None:
+    go_on = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        # Three chunks in one write: the sink gets them as one piece.
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"2\r\nab\r\n2\r\ncd\r\n2\r\nef\r\n")
+        await writer.drain()
+        await go_on.wait()
+        writer.write(b"2\r\ngh\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server.handler = handler
+    pool = ConnectionPool()
+    response = await pool.request("POST", server.url, "/v1/completions", b"{}")
+    pieces: list[tuple[bytes, bool]] = []
+
+    def sink(data: bytes, last: bool) -> None:
+        pieces.append((data, last))
+        go_on.set()
+
+    await asyncio.wait_for(response.deliver(sink), 5)
+    # The end came in the same read as the last piece: the sink was told.
+    assert pieces == [(b"abcdef", False), (b"gh", True)]
+    response.release()
+    pool.close()
+
+
+async def test_a_sink_that_must_wait_holds_the_rest_back_until_it_is_done(
+        server: RawServer) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for number in range(20):
+            writer.write(b"3\r\n%03d\r\n" % number)
+            await writer.drain()
+            await asyncio.sleep(0.005)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server.handler = handler
+    pool = ConnectionPool()
+    response = await pool.request("POST", server.url, "/v1/completions", b"{}")
+    pieces: list[bytes] = []
+    slow_client = asyncio.Event()
+
+    async def write_later(data: bytes) -> None:
+        await slow_client.wait()
+        pieces.append(data)
+
+    def sink(data: bytes, last: bool) -> Awaitable[None] | None:
+        if pieces:
+            pieces.append(data)
+            return None
+        return write_later(data)  # the first piece waits for a slow client
+
+    delivering = asyncio.ensure_future(response.deliver(sink))
+    await until(lambda: response._connection.paused, "reading to pause for the sink")
+    assert pieces == []
+    slow_client.set()
+    await asyncio.wait_for(delivering, 5)
+    assert b"".join(pieces) == b"".join(b"%03d" % n for n in range(20))
+    response.release()
+    pool.close()
+
+
+async def test_a_replica_that_breaks_mid_delivery_fails_it(server: RawServer) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+        await writer.drain()
+
+    server.handler = handler
+    pool = ConnectionPool()
+    response = await pool.request("POST", server.url, "/v1/completions", b"{}")
+    pieces: list[bytes] = []
+    with pytest.raises(UpstreamError, match="closed the connection"):
+        await asyncio.wait_for(response.deliver(lambda data, last: pieces.append(data)), 5)
+    assert pieces == [b"only part"]
+    response.release()
+    pool.close()
+
+
+async def test_a_send_started_at_once_that_must_wait_finishes_in_order(
+        server: RawServer) -> None:
+    """As the gateway relays: each piece's send is started from the socket's callback; a
+    client's write buffer full (uvicorn's send waiting to drain) holds the rest back."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for number in range(30):
+            writer.write(b"3\r\n%03d\r\n" % number)
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server.handler = handler
+    written: list[bytes] = []
+    drained = asyncio.Event()
+    drained.set()
+
+    async def send(data: bytes) -> None:  # uvicorn's: waits while the client is full
+        await drained.wait()
+        written.append(data)
+        if len(written) == 3:
+            drained.clear()
+
+    pool = ConnectionPool()
+    response = await pool.request("POST", server.url, "/v1/completions", b"{}")
+    delivering = asyncio.ensure_future(response.deliver(lambda data, last: start(send(data))))
+    await until(lambda: response._connection.paused, "reading to pause for the client")
+    drained.set()
+    await asyncio.wait_for(delivering, 5)
+    assert b"".join(written) == b"".join(b"%03d" % n for n in range(30))
+    response.release()
+    pool.close()
+
+
+async def test_a_delivery_cancelled_while_a_send_waits_ends_that_send(
+        server: RawServer) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server.handler = handler
+    never = asyncio.Event()
+    ended: list[str] = []
+
+    async def send(data: bytes) -> None:
+        try:
+            await never.wait()
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+
+    pool = ConnectionPool()
+    response = await pool.request("POST", server.url, "/v1/completions", b"{}")
+    delivering = asyncio.ensure_future(response.deliver(lambda data, last: start(send(data))))
+    await until(lambda: response._connection.paused, "the send to wait")
+    delivering.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await delivering
+    assert ended == ["cancelled"]
+    response.close()
     pool.close()

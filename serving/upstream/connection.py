@@ -1,28 +1,22 @@
-"""The gateway's upstream HTTP/1.1 client: keep-alive pools per replica, one write per
-request, the C parser uvicorn itself uses (httptools) for responses, and the body handed on
-as it arrives (whatever is buffered, in one piece).
-
-It does only what the gateway needs of a replica (vLLM's OpenAI server or any HTTP/1.1
-OpenAI-compatible endpoint): a request with a body, a response read whole or as a stream,
-chunked or sized bodies, plain HTTP or TLS. A general client (aiohttp, httpx) spends several
-times as long per request on features the relay never uses; on two shared cores that time
-is what a burst of new streams queues behind.
-"""
+"""One keep-alive HTTP/1.1 connection to a replica (an asyncio protocol parsing with
+httptools), and the Response it hands the caller: status and headers at once, the body read
+as it arrives or delivered to a sink from the socket's callback."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import functools
-import ssl
-from dataclasses import dataclass
-from urllib.parse import urlsplit
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import httptools
 
-CONNECT_TIMEOUT = 5.0
+from serving.upstream.eager import Unfinished
+
+if TYPE_CHECKING:
+    from serving.upstream.pool import ConnectionPool
+
 HIGH_WATER = 1 << 20  # bytes buffered before the socket stops being read
-IDLE_PER_HOST = 256
 
 
 class UpstreamError(Exception):
@@ -34,32 +28,12 @@ class UpstreamStalled(UpstreamError):
     deadlocked) while its socket stays open, which no connection error would ever say."""
 
 
-@dataclass(frozen=True)
-class Target:
-    """A replica's base URL, parsed: where to connect and what to send."""
-
-    host: str
-    port: int
-    prefix: str
-    tls: bool
-    host_header: bytes
 
 
-@functools.lru_cache(maxsize=4096)
-def target(base_url: str) -> Target:
-    """A replica's base URL, parsed once."""
-    parts = urlsplit(base_url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UpstreamError(f"not an http(s) URL: {base_url!r}")
-    tls = parts.scheme == "https"
-    port = parts.port or (443 if tls else 80)
-    return Target(
-        parts.hostname,
-        port,
-        parts.path.rstrip("/"),
-        tls,
-        (parts.netloc.rsplit("@", 1)[-1]).encode("idna"),
-    )
+# Takes body bytes, and whether the answer ends with them; returns None when it is done
+# with them, else what to await before it can take more (a client reading slower than the
+# replica writes).
+Sink = Callable[[bytes, bool], Awaitable[None] | None]
 
 
 class Response:
@@ -75,6 +49,13 @@ class Response:
     async def readany(self) -> bytes:
         """Every body byte buffered now (waiting for some if none is); b"" at the end."""
         return await self._connection.read_some()
+
+    def deliver(self, sink: Sink) -> Awaitable[None]:
+        """Hand every body byte to `sink` as it arrives, until the end (the replica's
+        error is raised): straight from the socket's callback while the caller waits, so a
+        chunk costs no wake-up of the caller's task. The sink is told when the bytes it
+        gets are the last (when the end came with them)."""
+        return self._connection.deliver(sink)
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -113,6 +94,8 @@ class Connection(asyncio.Protocol):
         self.complete = False
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.sink: Sink | None = None  # takes the body as it arrives (deliver)
+        self.held: Awaitable[None] | None = None  # what the sink waits on before more
         self.length_known = False
         self.keep_alive = False
         # Silence limits, set per request (None: no limit): for the status and headers,
@@ -123,6 +106,7 @@ class Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.last_heard = 0.0  # loop time of the request or of the last bytes since
         self.watchdog: asyncio.TimerHandle | None = None
+        self.watchdog_due = 0.0
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
@@ -142,6 +126,10 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self.fail(UpstreamError(f"malformed answer from the replica: {exc}"))
             self.abort()
+            return
+        # Whatever this read brought, in one piece, to the sink while nothing holds it.
+        if self.body and self.sink is not None and self.held is None:
+            self.hand_over()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The socket closed: an answer in progress ends or fails."""
@@ -188,10 +176,10 @@ class Connection(asyncio.Protocol):
         """A piece of the body; reading pauses past HIGH_WATER bytes."""
         self.body.append(body)
         self.buffered += len(body)
-        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self.wake()
+        if self.buffered > HIGH_WATER:
+            self.pause()
+        if self.sink is None:  # a sink is handed the body once the read is parsed
+            self.wake()
 
     def on_message_complete(self) -> None:
         """The answer ended."""
@@ -201,6 +189,42 @@ class Connection(asyncio.Protocol):
         self.wake()
 
     # --- used by the client ------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop reading the socket (the replica waits) until `resume`."""
+        if not self.paused and self.transport is not None and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        """Read the socket again."""
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def take_body(self) -> bytes:
+        """Every body byte buffered, in one piece; reading resumes."""
+        data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        self.body.clear()
+        self.buffered = 0
+        self.resume()
+        return data
+
+    def hand_over(self) -> None:
+        """The buffered body to the sink; when it must wait, reading pauses and `deliver`
+        waits for it."""
+        assert self.sink is not None
+        last = self.complete and self.error is None
+        try:
+            held = self.sink(self.take_body(), last)
+        except Exception as exc:  # the caller's failure ends the answer
+            self.fail(exc)
+            self.abort()
+            return
+        if held is not None:
+            self.held = held
+            self.pause()
+            self.wake()
 
     def wake(self) -> None:
         """Wake the reader waiting for body bytes."""
@@ -227,10 +251,19 @@ class Connection(asyncio.Protocol):
         return self.head_timeout if waiting_for_head else self.idle_timeout
 
     def watch(self) -> None:
-        """Arm the watchdog for the limit that applies now, unless it is armed."""
+        """Arm the watchdog for the limit that applies now, unless it is armed to look
+        soon enough. A timer armed for an earlier request on this connection is kept: it
+        looks again when it fires, and arming one per request costs more than that."""
         limit = self.limit()
-        if limit and self.watchdog is None:
-            self.watchdog = self.loop.call_at(self.last_heard + limit, self.check_silence)
+        if not limit:
+            return
+        due = self.last_heard + limit
+        if self.watchdog is not None:
+            if self.watchdog_due <= due:
+                return
+            self.watchdog.cancel()
+        self.watchdog_due = due
+        self.watchdog = self.loop.call_at(due, self.check_silence)
 
     def check_silence(self) -> None:
         """The watchdog: stall the answer if the replica has been silent past the limit
@@ -286,24 +319,45 @@ class Connection(asyncio.Protocol):
                 await self.waiter
             finally:
                 self.waiter = None
-        data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        self.body.clear()
-        self.buffered = 0
-        if self.paused and self.transport is not None and not self.closed:
-            self.paused = False
-            self.transport.resume_reading()
-        return data
+        return self.take_body()
+
+    async def deliver(self, sink: Sink) -> None:
+        """Hand the body to `sink` as it arrives, until it ends (see Response.deliver)."""
+        self.sink = sink
+        try:
+            while True:
+                if self.held is not None:
+                    held = self.held
+                    await held
+                    self.held = None
+                    self.resume()
+                elif self.body:
+                    self.hand_over()
+                elif self.error is not None:
+                    raise self.error
+                elif self.complete:
+                    return
+                else:
+                    self.waiter = self.loop.create_future()
+                    try:
+                        await self.waiter
+                    finally:
+                        self.waiter = None
+        finally:
+            self.sink = None
+            if isinstance(self.held, Unfinished):
+                self.held.close()
+            self.held = None
 
     def finish(self) -> None:
         """The caller is done: back to the pool if reusable, else closed."""
         if not self.busy:
             return
         self.busy = False
-        self.unwatch()
         reusable = self.complete and self.error is None and not self.closed and self.keep_alive
         self.parser, self.head = None, None
         self.body.clear()
-        if reusable:
+        if reusable:  # its watchdog stays armed for the next request (see watch)
             self.pool.put_back(self)
         else:
             self.abort()
@@ -317,128 +371,3 @@ class Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
         self.pool.forget(self)
-
-
-class ConnectionPool:
-    """Keep-alive connections per replica (host, port, TLS), reused most recent first."""
-
-    def __init__(self) -> None:
-        self.idle: dict[tuple[str, int, bool], list[Connection]] = {}
-        self._tls: ssl.SSLContext | None = None
-
-    def tls_context(self) -> ssl.SSLContext:
-        """The TLS context, made on first use."""
-        if self._tls is None:
-            self._tls = ssl.create_default_context()
-        return self._tls
-
-    async def connect(self, where: Target) -> Connection:
-        """A new connection to the replica (UpstreamError on failure)."""
-        loop = asyncio.get_running_loop()
-        key = (where.host, where.port, where.tls)
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT):
-                _, connection = await loop.create_connection(
-                    lambda: Connection(self, key),
-                    where.host,
-                    where.port,
-                    ssl=self.tls_context() if where.tls else None,
-                )
-        except TimeoutError:
-            raise UpstreamError(
-                f"no connection to {where.host}:{where.port} within {CONNECT_TIMEOUT:g} s"
-            ) from None
-        except OSError as exc:
-            raise UpstreamError(
-                f"cannot connect to {where.host}:{where.port}: {exc.strerror or exc}"
-            ) from None
-        return connection
-
-    def take_idle(self, where: Target) -> Connection | None:
-        """A kept-alive connection to the replica, if one is open."""
-        idle = self.idle.get((where.host, where.port, where.tls))
-        while idle:
-            connection = idle.pop()
-            if not connection.closed:
-                connection.reused = True
-                return connection
-        return None
-
-    def put_back(self, connection: Connection) -> None:
-        """Keep a connection for the next request (up to IDLE_PER_HOST)."""
-        idle = self.idle.setdefault(connection.key, [])
-        if len(idle) < IDLE_PER_HOST:
-            idle.append(connection)
-        else:
-            connection.abort()
-
-    def forget(self, connection: Connection) -> None:
-        """Drop a closed connection from the idle ones."""
-        idle = self.idle.get(connection.key)
-        if idle and connection in idle:
-            idle.remove(connection)
-
-    async def request(
-        self,
-        method: str,
-        base_url: str,
-        path: str,
-        body: bytes = b"",
-        headers: tuple[tuple[str, str], ...] = (),
-        *,
-        head_timeout: float | None = None,
-        idle_timeout: float | None = None,
-    ) -> Response:
-        """Send one request to a replica and wait for the answer's status and headers.
-        `head_timeout` bounds the wait for them, `idle_timeout` each wait for body bytes
-        after them (None: no bound); either one run out is UpstreamStalled."""
-        where = target(base_url)
-        lines = [
-            f"{method} {where.prefix}{path} HTTP/1.1\r\n".encode("latin-1"),
-            b"Host: ",
-            where.host_header,
-            b"\r\n",
-        ]
-        if body or method in ("POST", "PUT", "PATCH"):
-            lines.append(b"Content-Length: %d\r\n" % len(body))
-        for name, value in headers:
-            if "\r" in value or "\n" in value:  # never let a value start a header of its own
-                raise UpstreamError(f"the {name} header holds a line break")
-            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        lines.append(b"\r\n")
-        lines.append(body)
-        request = b"".join(lines)
-        connection = self.take_idle(where)
-        if connection is not None:
-            connection.head_timeout, connection.idle_timeout = head_timeout, idle_timeout
-            try:
-                return await connection.send(request)
-            except UpstreamStalled:
-                raise  # the replica is there but silent: another connection would wait too
-            except UpstreamError:
-                # The replica closed the kept-alive connection before reading the request:
-                # nothing reached it, so sending again on a new connection is safe.
-                if connection.received:
-                    raise
-        connection = await self.connect(where)
-        connection.head_timeout, connection.idle_timeout = head_timeout, idle_timeout
-        return await connection.send(request)
-
-    async def get_text(self, base_url: str, path: str,
-                       headers: tuple[tuple[str, str], ...] = ()) -> str:
-        """GET a text document (a replica's /metrics) whole; a status other than 200 is an
-        UpstreamError. Callers bound the wait with asyncio.timeout."""
-        response = await self.request("GET", base_url, path, headers=headers)
-        try:
-            if response.status != 200:
-                raise UpstreamError(f"GET {path}: HTTP {response.status}")
-            return (await response.read()).decode("utf-8", "replace")
-        finally:
-            response.release()
-
-    def close(self) -> None:
-        """Close every idle connection."""
-        for idle in list(self.idle.values()):
-            for connection in list(idle):
-                connection.abort()
-        self.idle.clear()

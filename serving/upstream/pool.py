@@ -1,0 +1,168 @@
+"""Keep-alive connection pools per replica, and replica base URLs parsed once."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ssl
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from serving.upstream.connection import Connection, Response, UpstreamError, UpstreamStalled
+
+CONNECT_TIMEOUT = 5.0
+IDLE_PER_HOST = 256
+
+
+@dataclass(frozen=True)
+class Target:
+    """A replica's base URL, parsed: where to connect and what to send."""
+
+    host: str
+    port: int
+    prefix: str
+    tls: bool
+    host_header: bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def target(base_url: str) -> Target:
+    """A replica's base URL, parsed once."""
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UpstreamError(f"not an http(s) URL: {base_url!r}")
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    return Target(
+        parts.hostname,
+        port,
+        parts.path.rstrip("/"),
+        tls,
+        (parts.netloc.rsplit("@", 1)[-1]).encode("idna"),
+    )
+
+
+class ConnectionPool:
+    """Keep-alive connections per replica (host, port, TLS), reused most recent first."""
+
+    def __init__(self) -> None:
+        self.idle: dict[tuple[str, int, bool], list[Connection]] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    def tls_context(self) -> ssl.SSLContext:
+        """The TLS context, made on first use."""
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+    async def connect(self, where: Target) -> Connection:
+        """A new connection to the replica (UpstreamError on failure)."""
+        loop = asyncio.get_running_loop()
+        key = (where.host, where.port, where.tls)
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                _, connection = await loop.create_connection(
+                    lambda: Connection(self, key),
+                    where.host,
+                    where.port,
+                    ssl=self.tls_context() if where.tls else None,
+                )
+        except TimeoutError:
+            raise UpstreamError(
+                f"no connection to {where.host}:{where.port} within {CONNECT_TIMEOUT:g} s"
+            ) from None
+        except OSError as exc:
+            raise UpstreamError(
+                f"cannot connect to {where.host}:{where.port}: {exc.strerror or exc}"
+            ) from None
+        return connection
+
+    def take_idle(self, where: Target) -> Connection | None:
+        """A kept-alive connection to the replica, if one is open."""
+        idle = self.idle.get((where.host, where.port, where.tls))
+        while idle:
+            connection = idle.pop()
+            if not connection.closed:
+                connection.reused = True
+                return connection
+        return None
+
+    def put_back(self, connection: Connection) -> None:
+        """Keep a connection for the next request (up to IDLE_PER_HOST)."""
+        idle = self.idle.setdefault(connection.key, [])
+        if len(idle) < IDLE_PER_HOST:
+            idle.append(connection)
+        else:
+            connection.abort()
+
+    def forget(self, connection: Connection) -> None:
+        """Drop a closed connection from the idle ones."""
+        idle = self.idle.get(connection.key)
+        if idle and connection in idle:
+            idle.remove(connection)
+
+    async def request(
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: bytes = b"",
+        headers: tuple[tuple[str, str], ...] = (),
+        *,
+        head_timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> Response:
+        """Send one request to a replica and wait for the answer's status and headers.
+        `head_timeout` bounds the wait for them, `idle_timeout` each wait for body bytes
+        after them (None: no bound); either one run out is UpstreamStalled."""
+        where = target(base_url)
+        lines = [
+            f"{method} {where.prefix}{path} HTTP/1.1\r\n".encode("latin-1"),
+            b"Host: ",
+            where.host_header,
+            b"\r\n",
+        ]
+        if body or method in ("POST", "PUT", "PATCH"):
+            lines.append(b"Content-Length: %d\r\n" % len(body))
+        for name, value in headers:
+            if "\r" in value or "\n" in value:  # never let a value start a header of its own
+                raise UpstreamError(f"the {name} header holds a line break")
+            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        lines.append(b"\r\n")
+        lines.append(body)
+        request = b"".join(lines)
+        connection = self.take_idle(where)
+        if connection is not None:
+            connection.head_timeout, connection.idle_timeout = head_timeout, idle_timeout
+            try:
+                return await connection.send(request)
+            except UpstreamStalled:
+                raise  # the replica is there but silent: another connection would wait too
+            except UpstreamError:
+                # The replica closed the kept-alive connection before reading the request:
+                # nothing reached it, so sending again on a new connection is safe.
+                if connection.received:
+                    raise
+        connection = await self.connect(where)
+        connection.head_timeout, connection.idle_timeout = head_timeout, idle_timeout
+        return await connection.send(request)
+
+    async def get_text(self, base_url: str, path: str,
+                       headers: tuple[tuple[str, str], ...] = ()) -> str:
+        """GET a text document (a replica's /metrics) whole; a status other than 200 is an
+        UpstreamError. Callers bound the wait with asyncio.timeout."""
+        response = await self.request("GET", base_url, path, headers=headers)
+        try:
+            if response.status != 200:
+                raise UpstreamError(f"GET {path}: HTTP {response.status}")
+            return (await response.read()).decode("utf-8", "replace")
+        finally:
+            response.release()
+
+    def close(self) -> None:
+        """Close every idle connection."""
+        for idle in list(self.idle.values()):
+            for connection in list(idle):
+                connection.abort()
+        self.idle.clear()
+
