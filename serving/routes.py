@@ -196,6 +196,12 @@ class RouteStore:
             self._write_to_redis(table, redis_url, changed)
         return changed
 
+    def keep_in_redis(self, redis_url: str | None) -> None:
+        """Between rebuilds: put the current table back in Redis when it lost it or the
+        last write failed (one EXISTS when all is well)."""
+        if redis_url and self.publishes_locally:
+            self._write_to_redis(self._table, redis_url, False)
+
     def _write_to_redis(self, table: RouteTable, redis_url: str, changed: bool) -> None:
         from serving.redis_clients import shared
 
