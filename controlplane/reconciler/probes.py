@@ -54,9 +54,10 @@ class ProbePacer:
         return self.next_at(replica, creates_replicas) <= now
 
     def probed(self, replica: Replica, answered: bool) -> None:
-        """Record a probe and whether it was answered."""
+        """Record a probe and whether it was answered. The backoff counts the failures of
+        an endpoint out of routing only (a ready one is probed at its interval)."""
         self.last_probe[replica.pk] = time.monotonic()
-        if answered:
+        if answered or replica.phase == Replica.Phase.READY:
             self.failures.pop(replica.pk, None)
         else:
             self.failures[replica.pk] = self.failures.get(replica.pk, 0) + 1
