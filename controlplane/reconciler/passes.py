@@ -14,7 +14,7 @@ from controlplane.backends.base import PodSetBackend, ReplicaBackend, backend_fo
 from controlplane.models import Deployment
 from controlplane.reconciler.pod_sets import PodSetReconciler
 from controlplane.reconciler.replicas import ReplicaReconciler
-from controlplane.reconciler.schedule import PassSchedule, settled
+from controlplane.reconciler.schedule import PassSchedule, note_fleet_changed, settled
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,9 @@ class Reconciler:
                 self.schedule.note(deployment.pk, False, 0.0)
             if self.progress is not None:
                 self.progress(f"reconciled {deployment.name}")
+        self.replicas.record_health()
+        if full or result.changed:
+            note_fleet_changed()
         result.seconds = time.perf_counter() - started
         return result
 

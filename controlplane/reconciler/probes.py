@@ -45,9 +45,10 @@ class ProbePacer:
     def next_at(self, replica: Replica, creates_replicas: bool) -> float:
         """When the replica's next probe is due (monotonic seconds)."""
         interval = self.interval(replica, creates_replicas)
-        if interval == NOT_PACED:
+        last = self.last_probe.get(replica.pk)
+        if interval == NOT_PACED or last is None:  # never probed by this process: now
             return 0.0
-        return self.last_probe.get(replica.pk, 0.0) + interval
+        return last + interval
 
     def due(self, replica: Replica, creates_replicas: bool, now: float) -> bool:
         """Whether the replica is to be probed in a pass at `now`."""

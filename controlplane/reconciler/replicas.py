@@ -54,6 +54,7 @@ class ReplicaReconciler:
         self.known: set[int] = set()
         self.observations: dict[int, Observation] = {}
         self.probed: set[int] = set()
+        self.healthy_now: list[int] = []  # ready replicas whose probe this pass answered
         # When this reconciler first saw each draining replica (monotonic seconds).
         self.draining_since: dict[int, float] = {}
 
@@ -181,13 +182,22 @@ class ReplicaReconciler:
             return self.unhealthy(deployment, backend, replica, now, observation.message)
         if phase in (Replica.Phase.LOADING, Replica.Phase.WARMING):
             return self.warm(deployment, backend, replica, now)
-        # Ready and healthy: record a probe that happened, but not more often than needed.
-        # A record, not a change: nothing routed or shown as status moves with it.
+        # Ready and healthy: record a probe that happened, but not more often than needed,
+        # all of a pass's in one write (`record_health`). A record, not a change: nothing
+        # routed or shown as status moves with it.
         if replica.pk in self.probed and (replica.last_health_at is None or now - replica.
                                           last_health_at > timedelta(
                                               seconds=settings.HEALTH_RECORD_SECONDS)):
-            save(replica, last_health_at=now)
+            replica.last_health_at = now
+            self.healthy_now.append(replica.pk)
         return False
+
+    def record_health(self) -> None:
+        """Write the pass's successful probes, in one statement."""
+        if self.healthy_now:
+            Replica.objects.filter(pk__in=self.healthy_now).update(
+                last_health_at=timezone.now())
+            self.healthy_now = []
 
     def start_replica(self, deployment: Deployment, backend: ReplicaBackend,
                       replica: Replica, now: datetime) -> bool:

@@ -32,6 +32,23 @@ OWN_ACTOR = "reconciler"
 CHANGE_WINDOW_SECONDS = 120
 
 
+# Raised after each pass that was full or changed something: what is read from the
+# deployments and replicas may then differ (the collector reads its targets again).
+_fleet_revision = 0
+
+
+def note_fleet_changed() -> None:
+    """A pass was full or changed something."""
+    global _fleet_revision
+    _fleet_revision += 1
+
+
+def fleet_revision() -> int:
+    """How many passes of this process were full or changed something (0: no reconciler
+    runs here)."""
+    return _fleet_revision
+
+
 class ChangeWatch:
     """Changes made by others, seen as audit events new since the last look."""
 
