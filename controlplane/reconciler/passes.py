@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
-from controlplane.backends.base import PodSetBackend, ReplicaBackend, backend_for
-from controlplane.models import Deployment
+from controlplane.backends.base import Observation, PodSetBackend, ReplicaBackend, backend_for
+from controlplane.models import Deployment, Replica
 from controlplane.reconciler.pod_sets import PodSetReconciler
 from controlplane.reconciler.replicas import ReplicaReconciler
 from controlplane.reconciler.schedule import PassSchedule, note_fleet_changed, settled
@@ -41,6 +41,8 @@ class Reconciler:
         self.replicas = ReplicaReconciler()
         self.pod_sets = PodSetReconciler()
         self.schedule = PassSchedule()
+        #: Settled deployments as their last visit read them (with their replicas).
+        self.settled: dict[int, tuple[Deployment, list[Replica]]] = {}
         # Told after each deployment: a pass over a large fleet is progress, step by step,
         # to the liveness check and the Lease (controlplane/liveness.py).
         self.progress = progress
@@ -53,6 +55,7 @@ class Reconciler:
     def reconcile_all(self) -> PassResult:
         """One pass over every deployment; one deployment's failure does not stop it."""
         self.schedule.starting_full()
+        self.settled.clear()
         deployments = list(Deployment.objects.select_related("model", "backend")
                            .prefetch_related("replica_set"))
         if not self.replicas.orphans_checked:
@@ -61,24 +64,47 @@ class Reconciler:
 
     def reconcile_changed(self, *, requested: bool = False) -> PassResult:
         """A full pass when something may have changed (asked for, an event seen, the
-        resync due); otherwise a pass over only the deployments with work to do, which
-        reads nothing more when there is none."""
+        resync due); otherwise a pass over only the deployments with work to do: settled
+        ones with a probe due are probed from what the last pass read of them, and read
+        and reconciled only when a probe found a change."""
         if self.schedule.full_due(requested):
             return self.reconcile_all()
+        started = time.perf_counter()
         due = self.schedule.due()
-        if not due:
-            return PassResult(full=False)
-        deployments = list(Deployment.objects.filter(pk__in=due)
+        quiet = [self.settled[pk] for pk in due
+                 if pk in self.settled and pk not in self.schedule.active]
+        changed, known = self.replicas.pacer.probe_settled(quiet)
+        for deployment, replicas in quiet:
+            if deployment.pk not in changed:
+                self.note(deployment, replicas, calm=True, creates_replicas=False)
+        visit = {pk for pk in due if pk not in self.settled} | self.schedule.active | changed
+        if not visit:
+            return PassResult(full=False, seconds=time.perf_counter() - started)
+        deployments = list(Deployment.objects.filter(pk__in=visit)
                            .select_related("model", "backend").prefetch_related("replica_set"))
-        for gone in due - {d.pk for d in deployments}:
+        for gone in visit - {d.pk for d in deployments}:
             self.schedule.forget(gone)
-        return self._reconcile(deployments, full=False)
+            self.settled.pop(gone, None)
+        return self._reconcile(deployments, full=False, known=known)
 
-    def _reconcile(self, deployments: list[Deployment], *, full: bool) -> PassResult:
+    def note(self, deployment: Deployment, replicas: list[Replica], *, calm: bool,
+             creates_replicas: bool) -> None:
+        """Where a deployment stands after its visit; a settled one's records are kept to
+        probe it from."""
+        self.schedule.note(deployment.pk, calm, min(
+            (self.replicas.pacer.next_at(r, creates_replicas) for r in replicas),
+            default=float("inf")))
+        if calm:
+            self.settled[deployment.pk] = (deployment, replicas)
+        else:
+            self.settled.pop(deployment.pk, None)
+
+    def _reconcile(self, deployments: list[Deployment], *, full: bool,
+                   known: dict[int, Observation] | None = None) -> PassResult:
         started = time.perf_counter()
         result = PassResult(full=full)
         self.pod_sets.refresh(deployments)
-        self.replicas.observe_all(deployments)
+        self.replicas.observe_all(deployments, known)
         for deployment in deployments:
             result.deployments += 1
             try:
@@ -108,7 +134,5 @@ class Reconciler:
                                               replicas)
         calm = settled(deployment, replicas, changed=changed,
                        creates_replicas=chosen.creates_replicas, owns_pods=chosen.owns_pods)
-        self.schedule.note(deployment.pk, calm, min(
-            (self.replicas.pacer.next_at(r, chosen.creates_replicas) for r in replicas),
-            default=float("inf")))
+        self.note(deployment, replicas, calm=calm, creates_replicas=chosen.creates_replicas)
         return changed

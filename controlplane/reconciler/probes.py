@@ -14,10 +14,18 @@ paces them again from there.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import cast
 
 from django.conf import settings
+from django.utils import timezone
 
-from controlplane.models import Replica
+from controlplane.backends.base import Observation, ReplicaBackend, backend_for
+from controlplane.models import Deployment, Replica
+
+# Probes run side by side (a probe that times out costs one timeout, not one per replica).
+PROBE_THREADS = 32
 
 NOT_PACED = 0.0
 
@@ -30,6 +38,9 @@ class ProbePacer:
         self.last_probe: dict[int, float] = {}
         #: Probes in a row that found an endpoint unreachable.
         self.failures: dict[int, int] = {}
+        # Kept for the process: starting threads anew each pass cost more than the probes.
+        self.pool = ThreadPoolExecutor(max_workers=PROBE_THREADS,
+                                       thread_name_prefix="probe")
 
     def interval(self, replica: Replica, creates_replicas: bool) -> float:
         """Seconds between this replica's probes; 0 for one probed on every pass."""
@@ -67,3 +78,51 @@ class ProbePacer:
         """The replica is gone."""
         self.last_probe.pop(pk, None)
         self.failures.pop(pk, None)
+
+    def probe(self, items: list[tuple[Deployment, Replica]]) -> dict[int, Observation]:
+        """Probe these replicas side by side; each one's observation, by pk."""
+        if not items:
+            return {}
+        results = self.pool.map(lambda item: _backend(item[0]).observe(
+            item[0], item[1], probe_health=True), items)
+        observations = {}
+        for (_, replica), observation in zip(items, results, strict=True):
+            observations[replica.pk] = observation
+            self.probed(replica, observation.alive and observation.healthy)
+        return observations
+
+    def probe_settled(self, settled: list[tuple[Deployment, list[Replica]]]
+                      ) -> tuple[set[int], dict[int, Observation]]:
+        """Probe the due replicas of settled deployments from what the last pass read of
+        them, without reading them again: an endpoint still answering (its probe recorded
+        in one write) or still failing the same way changes nothing. Returns the
+        deployments a probe found changed, to be read and reconciled, with those probes'
+        observations."""
+        now = time.monotonic()
+        due = [(deployment, replica) for deployment, replicas in settled
+               for replica in replicas
+               if self.due(replica, _backend(deployment).creates_replicas, now)]
+        observations = self.probe(due)
+        changed: set[int] = set()
+        healthy: list[Replica] = []
+        record = timedelta(seconds=settings.HEALTH_RECORD_SECONDS)
+        wall = timezone.now()
+        for deployment, replica in due:
+            seen = observations[replica.pk]
+            answered = seen.alive and seen.healthy
+            if replica.phase == Replica.Phase.READY and answered:
+                if replica.last_health_at is None or wall - replica.last_health_at > record:
+                    healthy.append(replica)
+            elif not (replica.phase == Replica.Phase.LOADING and not answered
+                      and seen.message == replica.last_error):
+                changed.add(deployment.pk)
+        if healthy:
+            Replica.objects.filter(pk__in=[r.pk for r in healthy]).update(last_health_at=wall)
+            for replica in healthy:
+                replica.last_health_at = wall
+        return changed, {replica.pk: observations[replica.pk] for deployment, replica in due
+                         if deployment.pk in changed}
+
+
+def _backend(deployment: Deployment) -> ReplicaBackend:
+    return cast(ReplicaBackend, backend_for(deployment.backend))

@@ -11,7 +11,6 @@ an old one only once a new one is ready.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import cast
 
@@ -60,9 +59,13 @@ class ReplicaReconciler:
 
     # --- once per pass ---------------------------------------------------------------
 
-    def observe_all(self, deployments: list[Deployment]) -> None:
+    def observe_all(self, deployments: list[Deployment],
+                    known: dict[int, Observation] | None = None) -> None:
         """Look at every running replica at once (probes are network calls; run side by
-        side they cost one timeout, not one per replica)."""
+        side they cost one timeout, not one per replica). `known`: replicas probed just
+        before this pass (controlplane/reconciler/probes.py:probe_settled), not probed
+        again."""
+        known = known or {}
         due: list[tuple[Deployment, Replica, bool]] = []
         now = time.monotonic()
         for deployment in deployments:
@@ -70,25 +73,19 @@ class ReplicaReconciler:
             if backend.owns_pods:
                 continue  # its members are read by the pod-set reconciler
             for replica in deployment.replica_set.all():
-                if replica.phase not in OBSERVED_PHASES:
+                if replica.phase not in OBSERVED_PHASES or replica.pk in known:
                     continue
                 # Paced per replica (controlplane/reconciler/probes.py).
                 probe = self.pacer.due(replica, backend.creates_replicas, now)
                 due.append((deployment, replica, probe))
-        probed = [item for item in due if item[2]]
-        observations: dict[int, Observation] = {}
+        probed = [(deployment, replica) for deployment, replica, probe in due if probe]
+        observations: dict[int, Observation] = dict(known)
         for deployment, replica, probe in due:
             if not probe:
                 observations[replica.pk] = replica_backend(deployment).observe(
                     deployment, replica, probe_health=False)
-        if probed:
-            with ThreadPoolExecutor(max_workers=min(32, len(probed))) as pool:
-                results = pool.map(lambda item: replica_backend(item[0]).observe(
-                    item[0], item[1], probe_health=True), probed)
-                for (_, replica, _), observation in zip(probed, results, strict=True):
-                    observations[replica.pk] = observation
-                    self.pacer.probed(replica, observation.alive and observation.healthy)
-        self.probed = {replica.pk for _, replica, _ in probed}
+        observations.update(self.pacer.probe(probed))
+        self.probed = {replica.pk for _, replica in probed} | set(known)
         self.observations = observations
 
     def cleanup_orphans(self, deployments: list[Deployment]) -> None:

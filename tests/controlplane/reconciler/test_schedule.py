@@ -130,3 +130,21 @@ def test_an_endpoint_that_keeps_failing_is_probed_on_a_backoff_and_routed_again_
                                      if p.deployment == "flaky" and p.replicas]),
            "routed to again")
     assert time.monotonic() - answered < 0.8 + 1.0  # the backoff's cap, and a pass or two
+
+
+def test_probes_of_a_settled_fleet_read_no_deployment(
+        fleet: list[Deployment], endpoint: StandInEndpoint, settings: Any) -> None:
+    """A probe that finds an endpoint as it was changes nothing: the deployment is not
+    read again, and its answer is recorded in one write for the pass."""
+    settings.HEALTH_CHECK_SECONDS = 0.2
+    settings.HEALTH_RECORD_SECONDS = 1
+    reconciler = Reconciler()
+    settle(reconciler, all_ready, "every replica ready")
+    reconciler.reconcile_changed()
+    probes = endpoint.requests
+    with CaptureQueriesContext(connection) as queries:
+        settle(reconciler, lambda: endpoint.requests >= probes + 80, "eight rounds of probes")
+    tables = " ".join(q["sql"] for q in queries.captured_queries)
+    assert "controlplane_deployment" not in tables
+    writes = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("UPDATE")]
+    assert writes and all("last_health_at" in w for w in writes)
