@@ -6,6 +6,8 @@ failed probe, then twice as long after each further one, up to
 HEALTH_BACKOFF_MAX_SECONDS, so a fleet of endpoints that keep refusing costs a probe per
 endpoint per minute, not per pass; it is routed to again within that bound (and one warm-up)
 of answering. Every other replica (starting, loading, warming) is probed on every pass.
+A new process probes the ready and unreachable replicas it inherits within their first
+interval, spread over it.
 
 Nothing here needs to outlive the process: a restart probes every replica once and
 paces them again from there.
@@ -13,6 +15,7 @@ paces them again from there.
 
 from __future__ import annotations
 
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -56,9 +59,15 @@ class ProbePacer:
     def next_at(self, replica: Replica, creates_replicas: bool) -> float:
         """When the replica's next probe is due (monotonic seconds)."""
         interval = self.interval(replica, creates_replicas)
-        last = self.last_probe.get(replica.pk)
-        if interval == NOT_PACED or last is None:  # never probed by this process: now
+        if interval == NOT_PACED:
             return 0.0
+        last = self.last_probe.get(replica.pk)
+        if last is None:
+            # Never probed by this process: as if probed at a random moment of the last
+            # interval, so a new process's first probes of a large fleet are spread over
+            # one interval instead of all crowding its first pass (and its start).
+            last = self.last_probe[replica.pk] = time.monotonic() - random.uniform(
+                0.0, interval)
         return last + interval
 
     def due(self, replica: Replica, creates_replicas: bool, now: float) -> bool:
