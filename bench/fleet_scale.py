@@ -31,7 +31,7 @@ Each figure is printed against its target from the fleet-scale issue; the last l
 the targets met.
 
     .venv/bin/python bench/fleet_scale.py [--deployments 1000] [--answering 0.1]
-        [--idle-seconds 60] [--database-url URL]
+        [--idle-seconds 60] [--database-url URL] [--profile DIR]
     .venv/bin/python bench/fleet_scale.py --deployments 100 --idle-seconds 20   # quick
 """
 
@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.dashboard_fanout import session_cookie  # noqa: E402
 from bench.gateway_overhead import ControlPlane  # noqa: E402
+from bench.profile_summary import summarize_profile  # noqa: E402
 from tests.processes import free_port, start_server, stop_server, wait_healthy  # noqa: E402
 
 PAGES = ("/deployments/", "/models/", "/dashboard/", "/keys/", "/users/")
@@ -70,6 +71,8 @@ IDLE_CPU_TARGET = 5.0  # percent of one core
 RESPONSE_MS_TARGET, RESPONSE_BYTES_TARGET = 100.0, 100_000
 RESTART_TARGET = 2.0  # seconds
 PASS_TARGET = 1.0  # seconds, bench/reconcile_cost.py's target
+# Never the project's environment: bench/gateway_overhead.py puts one in .bench/.
+PY_SPY = os.environ.get("PY_SPY", str(ROOT / ".bench" / "router-venv" / "bin" / "py-spy"))
 
 
 @dataclass
@@ -251,14 +254,28 @@ class Fleet:
             engine.wait(timeout=10)
 
 
-def idle_window(pids: dict[str, int], seconds: float) -> tuple[dict[str, float], float]:
+PROFILE_RATE = 100  # py-spy samples a second
+
+
+def idle_window(pids: dict[str, int], seconds: float,
+                profile: str = "") -> tuple[dict[str, float], float]:
     """CPU percent of one core per process tree over the window, and audit events per hour
-    written during it."""
+    written during it. With `profile` (a folder), py-spy samples each process meanwhile
+    (`--nonblocking`, so the sampled processes run on) and its summary is printed."""
+    samplers = {name: subprocess.Popen(
+        [PY_SPY, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
+         str(PROFILE_RATE), "--format", "raw", "--threads", "--nonblocking", "--output",
+         str(Path(profile) / f"{name}-{pid}.txt")], stdout=subprocess.DEVNULL)
+        for name, pid in pids.items()} if profile else {}
     events, cpu, started = audit_events(), {n: tree_cpu(p) for n, p in pids.items()}, \
         time.monotonic()
     time.sleep(seconds)
     elapsed = time.monotonic() - started
     used = {n: (tree_cpu(p) - cpu[n]) / elapsed * 100 for n, p in pids.items()}
+    for name, sampler in samplers.items():
+        sampler.wait(timeout=60)
+        print(summarize_profile(Path(profile) / f"{name}-{pids[name]}.txt", seconds,
+                                PROFILE_RATE), flush=True)
     return used, (audit_events() - events) / elapsed * 3600
 
 
@@ -358,7 +375,8 @@ def restart_to_routable(fleet: Fleet, process: subprocess.Popen[str]) -> tuple[
 def embedded(fleet: Fleet, report: Report) -> None:
     """Figures of `serve` with the controllers in it."""
     process = fleet.product.process
-    cpu, events = idle_window({"serve": process.pid}, fleet.options.idle_seconds)
+    cpu, events = idle_window({"serve": process.pid}, fleet.options.idle_seconds,
+                              fleet.options.profile)
     report.add("idle CPU, `serve` (controllers in the process)", f"{cpu['serve']:.1f}% of "
                "one core", f"under {IDLE_CPU_TARGET:.0f}%", cpu["serve"] < IDLE_CPU_TARGET)
     report.add("RSS, `serve` and its children", f"{tree_rss_mib(process.pid):.0f} MiB")
@@ -390,7 +408,7 @@ def apart(fleet: Fleet, report: Report) -> None:
             print(f"apart: routable after {fleet.wait_routable(fleet.product.url, 300):.1f} s, "
                   f"settled after {fleet.wait_settled():.0f} s more", flush=True)
             cpu, events = idle_window({"serve": server.pid, "controllers": controllers.pid},
-                                      fleet.options.idle_seconds)
+                                      fleet.options.idle_seconds, fleet.options.profile)
             rss = {"serve": tree_rss_mib(server.pid),
                    "controllers": tree_rss_mib(controllers.pid)}
         finally:
@@ -406,12 +424,16 @@ def apart(fleet: Fleet, report: Report) -> None:
 
 
 def no_change_pass(report: Report, passes: int = 5) -> None:
+    from django.conf import settings
     from django.db import reset_queries
 
     from controlplane.reconciler import Reconciler
 
     reconciler = Reconciler()
+    # Every endpoint due at once (a new process spreads them over its first interval).
+    settings.HEALTH_CHECK_SECONDS, paced = 0.0, settings.HEALTH_CHECK_SECONDS
     first = reconciler.reconcile_all()
+    settings.HEALTH_CHECK_SECONDS = paced
     print(f"  first pass in this process (probes every endpoint): {first.seconds:.2f} s, "
           f"{first.changed} changed", flush=True)
     results = []
@@ -437,6 +459,10 @@ def main() -> None:
                              "once) or a port that never answers (each probe times out)")
     parser.add_argument("--engines", type=int, default=4, help="fake engine processes")
     parser.add_argument("--idle-seconds", type=float, default=60)
+    parser.add_argument("--profile", metavar="DIR", default="",
+                        help="py-spy samples each idle window's processes into DIR "
+                             f"(py-spy from PY_SPY, default {PY_SPY}) and its summary is "
+                             "printed")
     parser.add_argument("--database-url", default="",
                         help="an empty database (default: SQLite in a fresh data folder)")
     options = parser.parse_args()

@@ -39,7 +39,7 @@ from controlplane.metrics.store import (
     ReplicaSeries,
     ScalingDecision,
 )
-from controlplane.metrics.targets import Target, load_targets
+from controlplane.metrics.targets import Target, TargetCache
 from controlplane.outages import DatabaseOutage
 
 # Imported from here by the consumers, the controllers, the autoscaler and their tests.
@@ -63,6 +63,7 @@ class Collector:
         self.scraper = Scraper(self.store, self.timeout)
         self.accelerators = Accelerators()
         self.gateway_counters = GatewayCounters()
+        self.targets = TargetCache()
 
     @property
     def parsed_last_pass(self) -> int:
@@ -73,7 +74,8 @@ class Collector:
         """Scrape every live replica, add the samples and summaries to the store, push
         them to the dashboards; what the pass did, and how long it took."""
         started = time.perf_counter()
-        targets, deployments = await sync_to_async(load_targets, thread_sensitive=False)()
+        targets, deployments = await sync_to_async(self.targets.load,
+                                                   thread_sensitive=False)()
         scrapes = await self.scraper.scrape_all(targets)
         accelerators = await self.accelerators.figures(targets, self.scraper.fetch)
         at = time.time()
@@ -137,4 +139,7 @@ async def run_collector(stop: asyncio.Event) -> None:
     """Run this process's collector until `stop` is set."""
     global collector
     collector = Collector()
+    # The reconciler runs beside it (controllers.py): targets are read again after its
+    # passes change something, not on every scrape.
+    collector.targets = TargetCache(follows_reconciler=True)
     await collector.run(stop)

@@ -1,6 +1,8 @@
 """Runs the controllers: a reconcile pass every RECONCILE_INTERVAL_SECONDS, or at once when
-a change asks for one (controlplane/wakeups.py). Passes run in a worker thread so the event
-loop never blocks.
+a change asks for one (controlplane/wakeups.py); a pass visits only what has work to do
+unless something may have changed (controlplane/reconciler/schedule.py). Passes run in a
+worker thread so the event loop never blocks. A new process serves the route table the
+last pass left in the database before its own first pass ends.
 
 The collector is reached through its module (`collector.run_collector`), so that it is
 looked up when the controllers start."""
@@ -25,6 +27,7 @@ from controlplane.reconciler import Reconciler
 from controlplane.routing import publish_routes
 from controlplane.wakeups import reconcile_requested, request_reconcile
 from serving.demand import demand
+from serving.routes import routes
 
 __all__ = ["publish_decisions", "request_reconcile", "run_autoscaler", "run_controllers"]
 
@@ -41,14 +44,35 @@ def _end_of_work() -> None:
     reset_queries()
 
 
-def _one_pass(reconciler: Reconciler) -> None:
-    """One reconcile pass, then the route table it leads to; runs in a worker thread."""
+def _one_pass(reconciler: Reconciler, requested: bool = False) -> None:
+    """One reconcile pass, then the route table it leads to when anything may have moved
+    (a full pass, or a change made); runs in a worker thread."""
     close_old_connections()
     try:
-        result = reconciler.reconcile_all()
+        result = reconciler.reconcile_changed(requested=requested)
         if result.errors:
             logger.warning("reconcile pass had errors: %s", "; ".join(result.errors))
+        if result.full or result.changed:
+            publish_routes()
+        else:
+            routes.keep_in_redis(settings.REDIS_URL)
+    finally:
+        _end_of_work()
+
+
+def _publish_last_table() -> None:
+    """The route table as the last pass left it in the database, served at once by a new
+    process, before its first pass (which probes every endpoint) ends: the replicas it
+    found ready, of the deployments that still exist and run. The first pass then
+    confirms them (a replica gone meanwhile is also steered around by the gateway's own
+    failure count until then)."""
+    close_old_connections()
+    try:
         publish_routes()
+        table = routes.table.deployments()
+        logger.info("serving the route table of the last pass (%d deployments, %d replicas) "
+                    "until the first pass confirms it", len(table),
+                    sum(len(d.replicas) for d in table))
     finally:
         _end_of_work()
 
@@ -78,6 +102,10 @@ async def _run(stop: asyncio.Event) -> None:
     autoscaler = asyncio.get_running_loop().create_task(run_autoscaler(stop))
     pruning = asyncio.get_running_loop().create_task(run_event_pruning(stop))
     try:
+        try:
+            await asyncio.to_thread(_publish_last_table)
+        except Exception as error:  # the first pass publishes it, or tells the outage
+            logger.warning("could not read the last route table: %s", error)
         await _reconcile_loop(reconciler, stop, interval)
     finally:
         await asyncio.gather(collecting, autoscaler, pruning, return_exceptions=True)
@@ -128,9 +156,10 @@ async def publish_decisions(messages: list[dict[str, Any]]) -> None:
 async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval: float) -> None:
     outage = DatabaseOutage("reconcile", logger)
     while not stop.is_set():
+        requested = reconcile_requested.is_set()
         reconcile_requested.clear()
         try:
-            await asyncio.to_thread(_one_pass, reconciler)
+            await asyncio.to_thread(_one_pass, reconciler, requested)
             outage.succeeded()
         except Exception as error:
             # Nothing is changed by a pass that cannot read the database: the replicas run

@@ -224,6 +224,11 @@ REPLICA_STARTUP_TIMEOUT_SECONDS = env_int("REPLICA_STARTUP_TIMEOUT_SECONDS", 900
 RESTART_BACKOFF_BASE_SECONDS = env_float("RESTART_BACKOFF_BASE_SECONDS", 5.0, minimum=0.1)
 RESTART_BACKOFF_MAX_SECONDS = env_float("RESTART_BACKOFF_MAX_SECONDS", 300.0, minimum=1)
 HEALTH_CHECK_SECONDS = env_float("HEALTH_CHECK_SECONDS", 5.0, minimum=0.0)
+# An external endpoint that keeps failing its probe is probed on a backoff up to this.
+HEALTH_BACKOFF_MAX_SECONDS = env_float("HEALTH_BACKOFF_MAX_SECONDS", 60.0, minimum=0.0)
+# A full reconcile pass at least this often, whatever the change checks say (a safety
+# net for a write the audit log does not see, e.g. a SQL shell).
+RECONCILE_RESYNC_SECONDS = env_float("RECONCILE_RESYNC_SECONDS", 60.0, minimum=1.0)
 HEALTH_RECORD_SECONDS = env_int("HEALTH_RECORD_SECONDS", 10, minimum=1)
 HEALTH_FAILURE_SECONDS = env_int("HEALTH_FAILURE_SECONDS", 30, minimum=1)
 DRAIN_TIMEOUT_SECONDS = env_int("DRAIN_TIMEOUT_SECONDS", 30, minimum=0)

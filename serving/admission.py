@@ -139,6 +139,10 @@ class Admission:
 
     def __init__(self) -> None:
         self.lanes: dict[str, Lane] = {}
+        # The lanes of each deployment (`deployment|pool`): the load watcher asks for every
+        # deployment's figures every second, which over all lanes each time grew with the
+        # square of the fleet (bench/fleet_scale.py's idle gateway).
+        self.by_deployment: dict[str, dict[str, Lane]] = {}
         self.counter = itertools.count()
 
     def lane(self, name: str) -> Lane:
@@ -146,16 +150,16 @@ class Admission:
         lane = self.lanes.get(name)
         if lane is None:
             lane = self.lanes[name] = Lane()
+            self.by_deployment.setdefault(name.split("|", 1)[0], {})[name] = lane
         return lane
 
     def queued(self, deployment: str) -> dict[str, int]:
         """Requests waiting, per class, over the deployment's lanes (for the metrics)."""
         out: dict[str, int] = {}
-        for name, lane in self.lanes.items():
-            if name.split("|", 1)[0] == deployment:
-                for cls, queue in lane.queues.items():
-                    if queue:
-                        out[cls] = out.get(cls, 0) + len(queue)
+        for lane in self.by_deployment.get(deployment, {}).values():
+            for cls, queue in lane.queues.items():
+                if queue:
+                    out[cls] = out.get(cls, 0) + len(queue)
         return out
 
     def estimated_wait(self, deployment: str) -> float:
@@ -163,9 +167,9 @@ class Admission:
         wait, from the measured service rate (0 with nobody waiting)."""
         now = time.monotonic()
         waits = []
-        for name, lane in self.lanes.items():
+        for lane in self.by_deployment.get(deployment, {}).values():
             count = lane.waiting()
-            if name.split("|", 1)[0] == deployment and count:
+            if count:
                 fallback = max(w.priority.max_wait_seconds for w in lane.waiters())
                 waits.append(lane.estimate(count, now, fallback))
         return max(waits, default=0.0)

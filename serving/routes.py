@@ -123,8 +123,7 @@ class RouteTable:
     def to_json(self, *, sealed: bool = True) -> str:
         """One entry per deployment, in a stable order. Replica keys are sealed (the text
         for Redis: equal tables then give different text, as sealing is randomised);
-        `sealed=False` gives the plain text a process compares tables by and never lets
-        out of its memory."""
+        `sealed=False` gives the plain text, which never leaves the process's memory."""
         pools = {pool.deployment: asdict(pool) for pool in self.pools.values()}
         if sealed:
             for raw in pools.values():
@@ -170,7 +169,6 @@ class RouteStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._table = RouteTable()
-        self._text = RouteTable().to_json(sealed=False)
         self._seen = ""  # the last text taken from another process (sealed)
         #: True once a controller in this process has published a table.
         self.publishes_locally = False
@@ -186,15 +184,22 @@ class RouteStore:
         table is also written to Redis when it changed, when the last write failed, and
         when Redis lost it (a restart without persistence): each call, made after every
         reconcile pass, puts Redis right once it answers."""
-        text = table.to_json(sealed=False)
         with self._lock:
             self.publishes_locally = True
-            changed = text != self._text
+            # Compared as values (frozen dataclasses): a table of 1,000 deployments
+            # written out as JSON to be compared cost more than building it.
+            changed = table.pools != self._table.pools
             if changed:
-                self._table, self._text = table, text
+                self._table = table
         if redis_url:
             self._write_to_redis(table, redis_url, changed)
         return changed
+
+    def keep_in_redis(self, redis_url: str | None) -> None:
+        """Between rebuilds: put the current table back in Redis when it lost it or the
+        last write failed (one EXISTS when all is well)."""
+        if redis_url and self.publishes_locally:
+            self._write_to_redis(self._table, redis_url, False)
 
     def _write_to_redis(self, table: RouteTable, redis_url: str, changed: bool) -> None:
         from serving.redis_clients import shared
@@ -226,7 +231,7 @@ class RouteStore:
             self._seen = text
             return
         with self._lock:
-            self._table, self._text, self._seen = table, table.to_json(sealed=False), text
+            self._table, self._seen = table, text
 
 
 routes = RouteStore()

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from controlplane.backends import vllm_http
 from controlplane.backends.base import BackendConfigError, Observation
 
 if TYPE_CHECKING:
@@ -48,8 +49,8 @@ class ExternalBackend:
 
     def __init__(self, config: ExternalConfig) -> None:
         self.config = config
-        # One pooled client: building one per request costs more than the request.
-        self.http = httpx.Client(limits=httpx.Limits(max_connections=64))
+        # Every backend shares one pooled client (one TLS context for the process).
+        self.http = vllm_http.shared_client()
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}

@@ -20,8 +20,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from controlplane.backends import k8s_drift, k8s_failures, vllm_http
 from controlplane.backends.base import BackendConfigError, BackendError, Member
 from controlplane.backends.k8s_client import Cluster, ClusterError, api_client
@@ -93,7 +91,8 @@ class KubernetesBackend:
         # handover to an autoscaler), per deployment id, until the reconciler takes it.
         self.notes: dict[str, list[tuple[str, str]]] = {}
         self.writes = 0  # write requests sent (the benchmark checks a resync sends none)
-        self.http = httpx.Client(limits=httpx.Limits(max_connections=64))
+        # Every backend shares one pooled client (one TLS context for the process).
+        self.http = vllm_http.shared_client()
 
     def cluster(self) -> Cluster:
         """The API client, made at first use."""
@@ -102,10 +101,9 @@ class KubernetesBackend:
         return self._cluster
 
     def close(self) -> None:
-        """Stop the pod watch and close the HTTP client."""
+        """Stop the pod watch (the HTTP client is shared: it stays open)."""
         if self.watcher:
             self.watcher.stop()
-        self.http.close()
 
     # --- reading ---------------------------------------------------------------------
 

@@ -197,8 +197,8 @@ class LocalBackend:
         self.config = config
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._gpus: list[str] | None = None
-        # One pooled client: building one per request costs more than the request.
-        self.http = httpx.Client(limits=httpx.Limits(max_connections=64))
+        # Every backend shares one pooled client (one TLS context for the process).
+        self.http = vllm_http.shared_client()
 
     # --- placement -------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ an old one only once a new one is ready.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import cast
 
@@ -22,6 +21,7 @@ from django.utils import timezone
 
 from controlplane.backends.base import BackendError, Observation, ReplicaBackend, backend_for
 from controlplane.models import Deployment, Replica
+from controlplane.reconciler.probes import ProbePacer
 from controlplane.reconciler.roles import assign_roles, victim_order
 from controlplane.reconciler.status import (
     LOG_LINES_IN_ERRORS,
@@ -45,51 +45,47 @@ class ReplicaReconciler:
 
     def __init__(self) -> None:
         self.orphans_checked = False
-        # When each ready replica's health was last probed (monotonic seconds). Only paces
+        # When each replica was last probed, and its failed probes in a row. Only paces
         # the probes; a restart loses nothing but one early probe.
-        self.last_probe: dict[int, float] = {}
+        self.pacer = ProbePacer()
+        self.last_probe = self.pacer.last_probe
         self.started_at = timezone.now()
         self.known: set[int] = set()
         self.observations: dict[int, Observation] = {}
         self.probed: set[int] = set()
+        self.healthy_now: list[int] = []  # ready replicas whose probe this pass answered
         # When this reconciler first saw each draining replica (monotonic seconds).
         self.draining_since: dict[int, float] = {}
 
     # --- once per pass ---------------------------------------------------------------
 
-    def observe_all(self, deployments: list[Deployment]) -> None:
+    def observe_all(self, deployments: list[Deployment],
+                    known: dict[int, Observation] | None = None) -> None:
         """Look at every running replica at once (probes are network calls; run side by
-        side they cost one timeout, not one per replica)."""
+        side they cost one timeout, not one per replica). `known`: replicas probed just
+        before this pass (controlplane/reconciler/probes.py:probe_settled), not probed
+        again."""
+        known = known or {}
         due: list[tuple[Deployment, Replica, bool]] = []
         now = time.monotonic()
         for deployment in deployments:
-            if backend_for(deployment.backend).owns_pods:
+            backend = backend_for(deployment.backend)
+            if backend.owns_pods:
                 continue  # its members are read by the pod-set reconciler
             for replica in deployment.replica_set.all():
-                if replica.phase not in OBSERVED_PHASES:
+                if replica.phase not in OBSERVED_PHASES or replica.pk in known:
                     continue
-                # A ready replica is probed every health interval, and so is an endpoint
-                # something else runs once it has stopped answering (others at once).
-                paced = replica.phase == Replica.Phase.READY or (bool(replica.last_error)
-                                                                 and not replica_backend(
-                                                                     deployment).creates_replicas)
-                probe = not paced or now - self.last_probe.get(
-                    replica.pk, 0.0) >= settings.HEALTH_CHECK_SECONDS
+                # Paced per replica (controlplane/reconciler/probes.py).
+                probe = self.pacer.due(replica, backend.creates_replicas, now)
                 due.append((deployment, replica, probe))
-        probed = [item for item in due if item[2]]
-        observations: dict[int, Observation] = {}
+        probed = [(deployment, replica) for deployment, replica, probe in due if probe]
+        observations: dict[int, Observation] = dict(known)
         for deployment, replica, probe in due:
             if not probe:
                 observations[replica.pk] = replica_backend(deployment).observe(
                     deployment, replica, probe_health=False)
-        if probed:
-            with ThreadPoolExecutor(max_workers=min(32, len(probed))) as pool:
-                results = pool.map(lambda item: replica_backend(item[0]).observe(
-                    item[0], item[1], probe_health=True), probed)
-                for (_, replica, _), observation in zip(probed, results, strict=True):
-                    observations[replica.pk] = observation
-                    self.last_probe[replica.pk] = time.monotonic()
-        self.probed = {replica.pk for _, replica, _ in probed}
+        observations.update(self.pacer.probe(probed))
+        self.probed = {replica.pk for _, replica in probed} | set(known)
         self.observations = observations
 
     def cleanup_orphans(self, deployments: list[Deployment]) -> None:
@@ -183,12 +179,22 @@ class ReplicaReconciler:
             return self.unhealthy(deployment, backend, replica, now, observation.message)
         if phase in (Replica.Phase.LOADING, Replica.Phase.WARMING):
             return self.warm(deployment, backend, replica, now)
-        # Ready and healthy: record a probe that happened, but not more often than needed.
+        # Ready and healthy: record a probe that happened, but not more often than needed,
+        # all of a pass's in one write (`record_health`). A record, not a change: nothing
+        # routed or shown as status moves with it.
         if replica.pk in self.probed and (replica.last_health_at is None or now - replica.
                                           last_health_at > timedelta(
                                               seconds=settings.HEALTH_RECORD_SECONDS)):
-            return save(replica, last_health_at=now)
+            replica.last_health_at = now
+            self.healthy_now.append(replica.pk)
         return False
+
+    def record_health(self) -> None:
+        """Write the pass's successful probes, in one statement."""
+        if self.healthy_now:
+            Replica.objects.filter(pk__in=self.healthy_now).update(
+                last_health_at=timezone.now())
+            self.healthy_now = []
 
     def start_replica(self, deployment: Deployment, backend: ReplicaBackend,
                       replica: Replica, now: datetime) -> bool:
@@ -266,9 +272,11 @@ class ReplicaReconciler:
                 return False
             return save(replica, last_error=message)  # another error, no new event
         save(replica, phase=Replica.Phase.LOADING, last_error=message, ready_at=None)
-        event(deployment, "replica-unreachable", f"{replica.name}: {message}; probed every "
-              f"{settings.HEALTH_CHECK_SECONDS:g} s and routed to again once it answers "
-              f"(it is not restarted: something else runs it)", replica=replica)
+        event(deployment, "replica-unreachable", f"{replica.name}: {message}; probed again "
+              f"after {settings.HEALTH_CHECK_SECONDS:g} s, then less often while it keeps "
+              f"failing (at least every {settings.HEALTH_BACKOFF_MAX_SECONDS:g} s), and "
+              f"routed to again once it answers (it is not restarted: something else runs "
+              f"it)", replica=replica)
         return True
 
     def crashed(self, deployment: Deployment, backend: ReplicaBackend, replica: Replica,
@@ -405,7 +413,7 @@ class ReplicaReconciler:
             return False
         Replica.objects.filter(pk__in=stopped).delete()
         for pk in stopped:
-            self.last_probe.pop(pk, None)
+            self.pacer.forget(pk)
             self.draining_since.pop(pk, None)
             self.known.discard(pk)
         return True

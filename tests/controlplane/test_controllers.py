@@ -57,3 +57,40 @@ async def test_stopping_ends_the_wait() -> None:
     started = time.monotonic()
     await _wait_for_next(stop, 60.0)
     assert time.monotonic() - started < 10.0
+
+
+@pytest.mark.django_db(transaction=True)  # the runner closes the thread's connection
+def test_a_new_process_routes_from_the_last_pass_before_its_first_pass() -> None:
+    """After a restart the route table the last pass left is served at once (its first
+    pass, which probes every endpoint, takes long on a large fleet), for the deployments
+    that still exist and run, without a probe."""
+    from controlplane.models import Deployment, Replica
+    from serving.routes import RouteTable, routes
+    from tests.endpoints import stand_in_endpoint
+    from tests.factories import make_backend
+
+    with stand_in_endpoint() as endpoint:
+        for name in ("kept", "deleted-meanwhile", "stopped-meanwhile"):
+            make_deployment(name, replicas=1, backend=make_backend(
+                name, "external", {"url": endpoint.url}))
+        reconciler = Reconciler()
+        deadline = time.monotonic() + 10
+        while Replica.objects.filter(phase=Replica.Phase.READY).count() < 3:
+            assert time.monotonic() < deadline, "replicas never ready"
+            reconciler.reconcile_all()
+        # While no controller ran: one deployment being deleted, one stopped.
+        Deployment.objects.filter(name="deleted-meanwhile").update(deleting=True)
+        Deployment.objects.filter(name="stopped-meanwhile").update(
+            state=Deployment.State.STOPPED)
+        kept = routes.table
+        routes.publish(RouteTable())  # what a new process starts with
+        probes = endpoint.requests
+        try:
+            controllers._publish_last_table()
+            table = routes.table
+        finally:
+            routes.publish(kept)
+        assert [r.name for r in table.routes_for("kept").replicas] == ["kept-1"]  # type: ignore[union-attr]
+        assert table.routes_for("deleted-meanwhile") is None
+        assert table.routes_for("stopped-meanwhile").replicas == ()  # type: ignore[union-attr]
+        assert endpoint.requests == probes

@@ -1,0 +1,137 @@
+"""When each replica's health is probed: paced per endpoint, in memory only.
+
+A ready replica is probed every HEALTH_CHECK_SECONDS. An endpoint something else runs
+that stopped answering is probed on a backoff: HEALTH_CHECK_SECONDS after the first
+failed probe, then twice as long after each further one, up to
+HEALTH_BACKOFF_MAX_SECONDS, so a fleet of endpoints that keep refusing costs a probe per
+endpoint per minute, not per pass; it is routed to again within that bound (and one warm-up)
+of answering. Every other replica (starting, loading, warming) is probed on every pass.
+A new process probes the ready and unreachable replicas it inherits within their first
+interval, spread over it.
+
+Nothing here needs to outlive the process: a restart probes every replica once and
+paces them again from there.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import cast
+
+from django.conf import settings
+from django.utils import timezone
+
+from controlplane.backends.base import Observation, ReplicaBackend, backend_for
+from controlplane.models import Deployment, Replica
+
+# Probes run side by side (a probe that times out costs one timeout, not one per replica).
+PROBE_THREADS = 32
+
+NOT_PACED = 0.0
+
+
+class ProbePacer:
+    """The last probe and the failed probes in a row of each replica (by pk)."""
+
+    def __init__(self) -> None:
+        #: When each replica was last probed (monotonic seconds).
+        self.last_probe: dict[int, float] = {}
+        #: Probes in a row that found an endpoint unreachable.
+        self.failures: dict[int, int] = {}
+        # Kept for the process: starting threads anew each pass cost more than the probes.
+        self.pool = ThreadPoolExecutor(max_workers=PROBE_THREADS,
+                                       thread_name_prefix="probe")
+
+    def interval(self, replica: Replica, creates_replicas: bool) -> float:
+        """Seconds between this replica's probes; 0 for one probed on every pass."""
+        if replica.phase == Replica.Phase.READY:
+            return settings.HEALTH_CHECK_SECONDS
+        if replica.last_error and not creates_replicas:  # an endpoint that stopped answering
+            failed = max(self.failures.get(replica.pk, 1), 1)
+            backoff = settings.HEALTH_CHECK_SECONDS * 2 ** min(failed - 1, 16)
+            return min(backoff, max(settings.HEALTH_BACKOFF_MAX_SECONDS,
+                                    settings.HEALTH_CHECK_SECONDS))
+        return NOT_PACED
+
+    def next_at(self, replica: Replica, creates_replicas: bool) -> float:
+        """When the replica's next probe is due (monotonic seconds)."""
+        interval = self.interval(replica, creates_replicas)
+        if interval == NOT_PACED:
+            return 0.0
+        last = self.last_probe.get(replica.pk)
+        if last is None:
+            # Never probed by this process: as if probed at a random moment of the last
+            # interval, so a new process's first probes of a large fleet are spread over
+            # one interval instead of all crowding its first pass (and its start).
+            last = self.last_probe[replica.pk] = time.monotonic() - random.uniform(
+                0.0, interval)
+        return last + interval
+
+    def due(self, replica: Replica, creates_replicas: bool, now: float) -> bool:
+        """Whether the replica is to be probed in a pass at `now`."""
+        return self.next_at(replica, creates_replicas) <= now
+
+    def probed(self, replica: Replica, answered: bool) -> None:
+        """Record a probe and whether it was answered. The backoff counts the failures of
+        an endpoint out of routing only (a ready one is probed at its interval)."""
+        self.last_probe[replica.pk] = time.monotonic()
+        if answered or replica.phase == Replica.Phase.READY:
+            self.failures.pop(replica.pk, None)
+        else:
+            self.failures[replica.pk] = self.failures.get(replica.pk, 0) + 1
+
+    def forget(self, pk: int) -> None:
+        """The replica is gone."""
+        self.last_probe.pop(pk, None)
+        self.failures.pop(pk, None)
+
+    def probe(self, items: list[tuple[Deployment, Replica]]) -> dict[int, Observation]:
+        """Probe these replicas side by side; each one's observation, by pk."""
+        if not items:
+            return {}
+        results = self.pool.map(lambda item: _backend(item[0]).observe(
+            item[0], item[1], probe_health=True), items)
+        observations = {}
+        for (_, replica), observation in zip(items, results, strict=True):
+            observations[replica.pk] = observation
+            self.probed(replica, observation.alive and observation.healthy)
+        return observations
+
+    def probe_settled(self, settled: list[tuple[Deployment, list[Replica]]]
+                      ) -> tuple[set[int], dict[int, Observation]]:
+        """Probe the due replicas of settled deployments from what the last pass read of
+        them, without reading them again: an endpoint still answering (its probe recorded
+        in one write) or still failing the same way changes nothing. Returns the
+        deployments a probe found changed, to be read and reconciled, with those probes'
+        observations."""
+        now = time.monotonic()
+        due = [(deployment, replica) for deployment, replicas in settled
+               for replica in replicas
+               if self.due(replica, _backend(deployment).creates_replicas, now)]
+        observations = self.probe(due)
+        changed: set[int] = set()
+        healthy: list[Replica] = []
+        record = timedelta(seconds=settings.HEALTH_RECORD_SECONDS)
+        wall = timezone.now()
+        for deployment, replica in due:
+            seen = observations[replica.pk]
+            answered = seen.alive and seen.healthy
+            if replica.phase == Replica.Phase.READY and answered:
+                if replica.last_health_at is None or wall - replica.last_health_at > record:
+                    healthy.append(replica)
+            elif not (replica.phase == Replica.Phase.LOADING and not answered
+                      and seen.message == replica.last_error):
+                changed.add(deployment.pk)
+        if healthy:
+            Replica.objects.filter(pk__in=[r.pk for r in healthy]).update(last_health_at=wall)
+            for replica in healthy:
+                replica.last_health_at = wall
+        return changed, {replica.pk: observations[replica.pk] for deployment, replica in due
+                         if deployment.pk in changed}
+
+
+def _backend(deployment: Deployment) -> ReplicaBackend:
+    return cast(ReplicaBackend, backend_for(deployment.backend))

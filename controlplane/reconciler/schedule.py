@@ -1,0 +1,124 @@
+"""Which deployments a reconcile pass visits, so that an idle fleet costs next to nothing.
+
+A full pass (every deployment, then the route table rebuilt) runs when something may have
+changed: the first pass of a process, a pass asked for in this process
+(`wakeups.request_reconcile`: services, the autoscaler), a change seen in the audit log
+(`ChangeWatch`: every change made through the API, the pages, the CLI or the autoscaler
+writes an event there, from whatever process), and at least every
+RECONCILE_RESYNC_SECONDS as a safety net for a write nothing told (a SQL shell).
+
+Between full passes a pass visits only the deployments with work to do: those not
+settled (a replica on its way somewhere, a deployment being deleted, a backend whose
+replicas are checked every pass: local processes, Kubernetes pods), and those with a
+probe due (controlplane/reconciler/probes.py). A settled fleet of external endpoints thus
+costs one indexed query a second and the probes that fall due.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from controlplane.models import AuditEvent, Deployment, Replica
+
+# The reconciler's own events are its own doing; it needs no telling.
+OWN_ACTOR = "reconciler"
+# How far back the change watch looks: longer than any transaction that writes an event
+# stays open, so one committed late (its `last_seen` older than events seen before it)
+# is still seen.
+CHANGE_WINDOW_SECONDS = 120
+
+
+# Raised after each pass that was full or changed something: what is read from the
+# deployments and replicas may then differ (the collector reads its targets again).
+_fleet_revision = 0
+
+
+def note_fleet_changed() -> None:
+    """A pass was full or changed something."""
+    global _fleet_revision
+    _fleet_revision += 1
+
+
+def fleet_revision() -> int:
+    """How many passes of this process were full or changed something (0: no reconciler
+    runs here)."""
+    return _fleet_revision
+
+
+class ChangeWatch:
+    """Changes made by others, seen as audit events new since the last look."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, int]] | None = None
+
+    def changed(self) -> bool:
+        """Whether an event (or a repeat of one) was written by someone else since the
+        last call; True on the first."""
+        since = timezone.now() - timedelta(seconds=CHANGE_WINDOW_SECONDS)
+        rows = set(AuditEvent.objects.filter(last_seen__gte=since)
+                   .exclude(actor=OWN_ACTOR).values_list("id", "count"))
+        changed = self.seen is None or bool(rows - self.seen)
+        self.seen = rows
+        return changed
+
+
+def settled(deployment: Deployment, replicas: list[Replica], *, changed: bool,
+            creates_replicas: bool, owns_pods: bool) -> bool:
+    """Nothing will happen to this deployment until a probe falls due or someone changes
+    it: each replica of an external endpoint ready or told unreachable (a local backend's
+    replicas are checked on every pass, pods are read from their watch every pass)."""
+    if changed or deployment.deleting or owns_pods:
+        return False
+    if creates_replicas:
+        return not replicas
+    return all(r.phase == Replica.Phase.READY
+               or (r.phase == Replica.Phase.LOADING and bool(r.last_error))
+               for r in replicas)
+
+
+class PassSchedule:
+    """When the next full pass is due, and which deployments a pass between visits."""
+
+    def __init__(self) -> None:
+        self.full_at = 0.0  # monotonic seconds; 0: the first pass is full
+        self.watch = ChangeWatch()
+        #: Deployments (by pk) visited on every pass until they settle.
+        self.active: set[int] = set()
+        #: Settled deployments: when their next probe falls due (monotonic seconds).
+        self.probe_at: dict[int, float] = {}
+
+    def full_due(self, requested: bool) -> bool:
+        """Whether this pass must visit every deployment. The change watch is read on
+        every call (before the pass), so a change committed during a pass is seen by the
+        next."""
+        changed = self.watch.changed()
+        return requested or changed or time.monotonic() >= self.full_at
+
+    def starting_full(self) -> None:
+        """A full pass begins: every deployment is noted again."""
+        self.full_at = time.monotonic() + settings.RECONCILE_RESYNC_SECONDS
+        self.active.clear()
+        self.probe_at.clear()
+
+    def due(self) -> set[int]:
+        """The deployments a pass between full ones visits now."""
+        now = time.monotonic()
+        return self.active | {pk for pk, at in self.probe_at.items() if at <= now}
+
+    def note(self, pk: int, is_settled: bool, next_probe: float) -> None:
+        """Where a visited deployment stands after its pass."""
+        if is_settled:
+            self.active.discard(pk)
+            self.probe_at[pk] = next_probe
+        else:
+            self.active.add(pk)
+            self.probe_at.pop(pk, None)
+
+    def forget(self, pk: int) -> None:
+        """The deployment is gone."""
+        self.active.discard(pk)
+        self.probe_at.pop(pk, None)

@@ -1,0 +1,150 @@
+"""Passes in proportion to what changed (controlplane/reconciler/schedule.py, probes.py):
+a settled fleet costs one query a pass and no probe, a change made elsewhere is seen at
+the next pass, an endpoint that keeps failing is probed on a backoff and routed to again
+soon after it answers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from controlplane.models import Deployment, Replica
+from controlplane.reconciler import Reconciler
+from controlplane.routing import current_pools
+from controlplane.services import set_deployment_state
+from tests.endpoints import StandInEndpoint, stand_in_endpoint
+from tests.factories import make_backend, make_deployment
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def endpoint() -> Iterator[StandInEndpoint]:
+    with stand_in_endpoint() as running:
+        yield running
+
+
+@pytest.fixture
+def fleet(endpoint: StandInEndpoint, settings: Any) -> list[Deployment]:
+    """Ten external deployments, each its own backend on the same stand-in endpoint."""
+    settings.RECONCILE_RESYNC_SECONDS = 3600  # the passes between full ones are tested
+    return [make_deployment(f"edge-{i}", replicas=1, backend=make_backend(
+        f"edge-{i}", "external", {"url": endpoint.url})) for i in range(10)]
+
+
+def settle(reconciler: Reconciler, check: Callable[[], bool], what: str,
+           seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        reconciler.reconcile_changed()
+        if check():
+            return
+        assert time.monotonic() < deadline, f"never reached: {what}"
+        time.sleep(0.02)
+
+
+def all_ready() -> bool:
+    return Replica.objects.filter(phase=Replica.Phase.READY).count() == 10
+
+
+def test_a_pass_over_a_settled_fleet_reads_one_query_writes_nothing_and_probes_nothing(
+        fleet: list[Deployment], endpoint: StandInEndpoint, settings: Any) -> None:
+    settings.HEALTH_CHECK_SECONDS = 3600  # no probe falls due during the test
+    reconciler = Reconciler()
+    settle(reconciler, all_ready, "every replica ready")
+    reconciler.reconcile_changed()  # the events of getting there, seen once
+    probes = endpoint.requests
+    with CaptureQueriesContext(connection) as queries:
+        results = [reconciler.reconcile_changed() for _ in range(5)]
+    assert [(r.full, r.deployments, r.changed) for r in results] == [(False, 0, 0)] * 5
+    # Only the change watch's look at the audit log, once a pass.
+    assert len(queries.captured_queries) == 5
+    assert all(q["sql"].startswith("SELECT") for q in queries.captured_queries)
+    assert endpoint.requests == probes
+
+
+def test_a_change_made_elsewhere_is_acted_on_at_the_next_pass(
+        fleet: list[Deployment], settings: Any) -> None:
+    settings.HEALTH_CHECK_SECONDS = 3600
+    reconciler = Reconciler()
+    settle(reconciler, all_ready, "every replica ready")
+    reconciler.reconcile_changed()
+    # As another process would: the change and its event committed, no wake-up here
+    # (pytest-django runs no on_commit callback outside transaction tests).
+    set_deployment_state(fleet[3], Deployment.State.STOPPED, actor="someone")
+    result = reconciler.reconcile_changed()
+    assert result.full and result.deployments == 10
+    assert not Replica.objects.filter(deployment=fleet[3]).exists()
+    assert [p.replicas for p in current_pools() if p.deployment == "edge-3"] == [()]
+
+
+def test_a_pass_asked_for_visits_every_deployment(fleet: list[Deployment],
+                                                  settings: Any) -> None:
+    settings.HEALTH_CHECK_SECONDS = 3600
+    reconciler = Reconciler()
+    settle(reconciler, all_ready, "every replica ready")
+    reconciler.reconcile_changed()
+    assert reconciler.reconcile_changed().deployments == 0
+    assert reconciler.reconcile_changed(requested=True).deployments == 10
+
+
+def test_a_ready_endpoint_is_probed_at_its_interval_by_the_passes_between(
+        fleet: list[Deployment], endpoint: StandInEndpoint, settings: Any) -> None:
+    settings.HEALTH_CHECK_SECONDS = 0.2
+    reconciler = Reconciler()
+    settle(reconciler, all_ready, "every replica ready")
+    probes = endpoint.requests
+    settle(reconciler, lambda: endpoint.requests >= probes + 20, "two rounds of probes")
+    endpoint.healthy = False
+    settings.HEALTH_FAILURE_SECONDS = 0  # out of routing at the first failed probe
+    settle(reconciler, lambda: not any(p.replicas for p in current_pools()),
+           "every endpoint out of routing")
+
+
+def test_an_endpoint_that_keeps_failing_is_probed_on_a_backoff_and_routed_again_soon(
+        endpoint: StandInEndpoint, settings: Any) -> None:
+    settings.RECONCILE_RESYNC_SECONDS = 3600
+    settings.HEALTH_CHECK_SECONDS = 0.1
+    settings.HEALTH_BACKOFF_MAX_SECONDS = 0.8
+    endpoint.healthy = False
+    make_deployment("flaky", replicas=1, backend=make_backend(
+        "flaky", "external", {"url": endpoint.url}))
+    reconciler = Reconciler()
+    settle(reconciler, lambda: Replica.objects.exclude(last_error="").exists(),
+           "told unreachable")
+    probes, started = endpoint.requests, time.monotonic()
+    while time.monotonic() - started < 3.0:  # 3 s of passes, one every 20 ms
+        reconciler.reconcile_changed()
+        time.sleep(0.02)
+    # Every 0.1 s would be 30 probes; the backoff (0.1, 0.2, 0.4, 0.8, 0.8 ...) makes
+    # 6 or 7 of them.
+    assert 3 <= endpoint.requests - probes <= 9
+    endpoint.healthy = True
+    answered = time.monotonic()
+    settle(reconciler, lambda: bool([p for p in current_pools()
+                                     if p.deployment == "flaky" and p.replicas]),
+           "routed to again")
+    assert time.monotonic() - answered < 0.8 + 1.0  # the backoff's cap, and a pass or two
+
+
+def test_probes_of_a_settled_fleet_read_no_deployment(
+        fleet: list[Deployment], endpoint: StandInEndpoint, settings: Any) -> None:
+    """A probe that finds an endpoint as it was changes nothing: the deployment is not
+    read again, and its answer is recorded in one write for the pass."""
+    settings.HEALTH_CHECK_SECONDS = 0.2
+    settings.HEALTH_RECORD_SECONDS = 1
+    reconciler = Reconciler()
+    settle(reconciler, all_ready, "every replica ready")
+    reconciler.reconcile_changed()
+    probes = endpoint.requests
+    with CaptureQueriesContext(connection) as queries:
+        settle(reconciler, lambda: endpoint.requests >= probes + 80, "eight rounds of probes")
+    tables = " ".join(q["sql"] for q in queries.captured_queries)
+    assert "controlplane_deployment" not in tables
+    writes = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("UPDATE")]
+    assert writes and all("last_health_at" in w for w in writes)
