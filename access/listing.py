@@ -50,13 +50,16 @@ class Filters:
         return [*(["search"] if self.search else []), *self.exact, *self.choices]
 
     def read(self, values: Callable[[str], list[str]]) -> dict[str, str]:
-        """The parameters given (stripped, empty ones left out), checked."""
+        """The parameters given (text stripped, a choice as written, empty ones left out),
+        checked."""
         given: dict[str, str] = {}
         for param in self.params:
             found = values(param)
             if len(found) > 1:
                 raise FilterError(param, "give it once")
-            value = found[0].strip() if found else ""
+            value = found[0] if found else ""
+            if param not in self.choices:  # a choice is taken as written: "running " is not one
+                value = value.strip()
             if not value:
                 continue
             if "\x00" in value:

@@ -47,6 +47,8 @@ def filter_parameters(filters: Filters) -> list[OpenApiParameter]:
         found.append(OpenApiParameter(param, FILTER_TEXT, description=filters.describe.get(
             param, f"only those of this {param} (its name)")))
     for param, options in filters.choices.items():
-        found.append(OpenApiParameter(param, str, enum=list(options),
-                                      description=filters.describe.get(param, "")))
+        # Empty is any (what a page's "any" choice sends), so the schema lists it.
+        found.append(OpenApiParameter(param, str, enum=["", *options],
+                                      description=(filters.describe.get(param, "")
+                                                   + " (empty: any)").lstrip()))
     return found

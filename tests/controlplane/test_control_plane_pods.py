@@ -70,7 +70,7 @@ def test_the_controllers_liveness_fails_while_a_pass_hangs_and_recovers_when_it_
     hung, unblock = threading.Event(), threading.Event()
     passes: list[float] = []
 
-    def one_pass(reconciler: object) -> None:
+    def one_pass(reconciler: object, requested: bool = False) -> None:
         passes.append(time.monotonic())
         if len(passes) == 5:
             hung.set()

@@ -105,7 +105,7 @@ def test_a_hung_reconcile_pass_gives_the_lease_up_and_the_process_exits(
     hung, unblock = threading.Event(), threading.Event()
     passes: list[float] = []
 
-    def one_pass(reconciler: object) -> None:
+    def one_pass(reconciler: object, requested: bool = False) -> None:
         passes.append(time.monotonic())
         if len(passes) == 3:
             hung.set()
@@ -164,7 +164,7 @@ def test_a_long_pass_that_moves_deployment_by_deployment_keeps_the_lease(
     monkeypatch.setattr(command, "STOP_WAIT_SECONDS", 1.0)
     started, steps_done = threading.Event(), threading.Event()
 
-    def one_pass(reconciler: Any) -> None:
+    def one_pass(reconciler: Any, requested: bool = False) -> None:
         if steps_done.is_set():
             return
         started.set()  # the leader works: only now may the follower try
