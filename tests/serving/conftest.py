@@ -73,8 +73,32 @@ def usage_written_before_the_database_is_emptied() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def empty_route_table() -> Iterator[None]:
     routes.publish(build_table([]))
+    forget_replica_health()
     yield
     routes.publish(build_table([]))
+
+
+def forget_replica_health() -> None:
+    """The in-process gateway keeps each replica's load and failures by name for the
+    session, and forgets a replica only at its next load scrape: without this, a replica
+    an earlier test made fail sits out of a later test's same-named replica (503
+    `no_replica`). Failures only: an in-flight count a stream still running holds stays.
+    Done on the gateway's own loop when it runs, so no pass reads the states meanwhile."""
+    from serving.gateway import gateway
+
+    def clear() -> None:
+        for state in gateway.router.states.values():
+            state.failures, state.unhealthy_until = 0, 0.0
+
+    resources = gateway._resources
+    if resources is None or not resources.loop.is_running():
+        clear()
+        return
+
+    async def on_loop() -> None:
+        clear()
+
+    asyncio.run_coroutine_threadsafe(on_loop(), resources.loop).result(10)
 
 
 @pytest.fixture(autouse=True)
