@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import pytest
 
 from controlplane.metrics.publishing import FLEET_ROWS, SNAPSHOT_EVERY, FleetView
 
@@ -66,3 +67,79 @@ def test_the_whole_view_is_sent_again_every_so_many_passes() -> None:
     assert kinds[0] == kinds[-1] == "fleet"
     assert set(kinds[1:-1]) == {"fleet.delta"}
     assert orjson.loads(view.snapshot_text or "{}")["seq"] == SNAPSHOT_EVERY + 1
+
+
+def one_update(name: str) -> dict[str, Any]:
+    return {"type": "update", "deployment": name, "summary": summary(name)}
+
+
+async def test_a_deployment_update_goes_only_to_a_dashboard_that_is_open(
+        monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
+    """A thousand deployments, one dashboard open: that deployment's socket gets its
+    update, the other groups are not sent to (the in-process layer)."""
+    from channels.layers import InMemoryChannelLayer, get_channel_layer
+
+    from controlplane.metrics import publishing
+
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    settings.REDIS_URL = ""
+    monkeypatch.setattr(publishing, "fleet_view", FleetView())
+    layer = get_channel_layer()
+    assert isinstance(layer, InMemoryChannelLayer)
+    watcher = await layer.new_channel()
+    await layer.group_add(publishing.deployment_group("d-0500"), watcher)
+    sent: list[str] = []
+    real_send = layer.group_send
+
+    async def counting(group: str, message: dict[str, Any]) -> None:
+        sent.append(group)
+        await real_send(group, message)
+
+    monkeypatch.setattr(layer, "group_send", counting)
+    await publishing.publish(fleet(THOUSAND), {s["name"]: one_update(s["name"])
+                                               for s in THOUSAND})
+    assert sent == [publishing.FLEET_GROUP, publishing.deployment_group("d-0500")]
+    received = await layer.receive(watcher)
+    assert orjson.loads(received["text"])["deployment"] == "d-0500"
+
+
+@pytest.mark.parametrize("open_names", [["d-0007"], ["d-0007", "d-0993"], []])
+async def test_over_redis_only_the_watched_groups_are_sent_their_update(
+        monkeypatch: pytest.MonkeyPatch, settings: Any, open_names: list[str]) -> None:
+    """The Redis layer, as with scale-out: sockets in other processes, their group
+    membership in Redis; one pipelined look-up tells which groups to send to."""
+    import redis
+    from channels.layers import channel_layers
+
+    from controlplane.metrics import publishing
+
+    url = "redis://127.0.0.1:6379/14"  # a database no other test uses
+    redis.Redis.from_url(url).flushdb()
+    settings.CHANNEL_LAYERS = {"default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [url]}}}
+    settings.REDIS_URL = url
+    monkeypatch.setattr(publishing, "fleet_view", FleetView())
+    layer = channel_layers["default"]
+    channels = {}
+    for name in open_names:
+        channels[name] = await layer.new_channel()
+        await layer.group_add(publishing.deployment_group(name), channels[name])
+    sent: list[str] = []
+    real_send = layer.group_send
+
+    async def counting(group: str, message: dict[str, Any]) -> None:
+        sent.append(group)
+        await real_send(group, message)
+
+    monkeypatch.setattr(layer, "group_send", counting)
+    try:
+        await publishing.publish(fleet(THOUSAND), {s["name"]: one_update(s["name"])
+                                                   for s in THOUSAND})
+        assert sorted(sent) == sorted([publishing.FLEET_GROUP,
+                                       *(publishing.deployment_group(n) for n in open_names)])
+        for name, channel in channels.items():
+            received = await layer.receive(channel)
+            assert orjson.loads(received["text"])["deployment"] == name
+    finally:
+        await layer.flush()
+        await layer.close_pools()
