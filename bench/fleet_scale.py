@@ -262,6 +262,8 @@ def idle_window(pids: dict[str, int], seconds: float,
     """CPU percent of one core per process tree over the window, and audit events per hour
     written during it. With `profile` (a folder), py-spy samples each process meanwhile
     (`--nonblocking`, so the sampled processes run on) and its summary is printed."""
+    if profile:
+        Path(profile).mkdir(parents=True, exist_ok=True)
     samplers = {name: subprocess.Popen(
         [PY_SPY, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
          str(PROFILE_RATE), "--format", "raw", "--threads", "--nonblocking", "--output",
