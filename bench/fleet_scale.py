@@ -21,7 +21,9 @@ Then it measures:
   time from the new process's start until a completion to an answering deployment through
   the gateway succeeds;
 - audit events written per hour, extrapolated from the idle windows (which start once the
-  fleet has settled: every replica ready or told unreachable, no audit event for 10 s);
+  fleet has settled: every replica ready or told unreachable, no audit event for 10 s, and
+  at least `--rest-seconds` after it was created, when the probes of the endpoints that
+  never answered are at their backoff's bound);
 - the no-change reconcile pass: the controllers expose no pass time, so it is timed here,
   in-process, as bench/reconcile_cost.py does, on the same database once every server has
   stopped (probes paced out of the timed passes; the first pass, which probes every
@@ -31,7 +33,7 @@ Each figure is printed against its target from the fleet-scale issue; the last l
 the targets met.
 
     .venv/bin/python bench/fleet_scale.py [--deployments 1000] [--answering 0.1]
-        [--idle-seconds 60] [--database-url URL] [--profile DIR]
+        [--idle-seconds 60] [--rest-seconds 75] [--database-url URL] [--profile DIR]
     .venv/bin/python bench/fleet_scale.py --deployments 100 --idle-seconds 20   # quick
 """
 
@@ -461,6 +463,12 @@ def main() -> None:
                              "once) or a port that never answers (each probe times out)")
     parser.add_argument("--engines", type=int, default=4, help="fake engine processes")
     parser.add_argument("--idle-seconds", type=float, default=60)
+    parser.add_argument("--rest-seconds", type=float, default=75,
+                        help="the idle windows start at least this long after the fleet "
+                             "was created: the default is when the probes of endpoints "
+                             "that never answered reach the backoff's bound (failures at "
+                             "5, 10, 20 and 40 s intervals with the default settings; 0 "
+                             "measures the fleet as soon as it has settled)")
     parser.add_argument("--profile", metavar="DIR", default="",
                         help="py-spy samples each idle window's processes into DIR "
                              f"(py-spy from PY_SPY, default {PY_SPY}) and its summary is "
@@ -481,10 +489,17 @@ def main() -> None:
                    f"{time.monotonic() - started:.0f} s; a deployment POST took "
                    f"{statistics.median(seconds[:tenth]) * 1000:.0f} ms (median) in the first "
                    f"tenth, {statistics.median(seconds[-tenth:]) * 1000:.0f} ms in the last")
+        created = time.monotonic()
         print(f"routable after {fleet.wait_routable(fleet.product.url, 600):.1f} s more",
               flush=True)
         print(f"settled (every replica ready or told unreachable, no audit event for 10 s) "
               f"after {fleet.wait_settled():.0f} s more", flush=True)
+        rest = options.rest_seconds - (time.monotonic() - created)
+        if rest > 0:
+            print(f"at rest in {rest:.0f} s more (the unreachable endpoints' probe backoff "
+                  f"at its bound {options.rest_seconds:.0f} s after they were created)",
+                  flush=True)
+            time.sleep(rest)
         run_steps(fleet, report, [embedded, apart])
         no_change_pass(report)
     finally:

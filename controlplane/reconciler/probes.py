@@ -9,12 +9,16 @@ of answering. Every other replica (starting, loading, warming) is probed on ever
 A new process probes the ready and unreachable replicas it inherits within their first
 interval, spread over it.
 
-Nothing here needs to outlive the process: a restart probes every replica once and
-paces them again from there.
+Nothing here needs to outlive the process. A new process takes up an inherited
+endpoint's backoff where the failures so far would have brought it (from how long ago it
+last answered, or was started: `inherited_failures`), so a restart of a control plane
+whose fleet holds hundreds of dead endpoints does not probe them all every few seconds
+for its first minute.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +54,12 @@ class ProbePacer:
         if replica.phase == Replica.Phase.READY:
             return settings.HEALTH_CHECK_SECONDS
         if replica.last_error and not creates_replicas:  # an endpoint that stopped answering
-            failed = max(self.failures.get(replica.pk, 1), 1)
+            failed = self.failures.get(replica.pk)
+            if failed is None:
+                failed = 1
+                if replica.pk not in self.last_probe:  # failing since before this process
+                    failed = self.failures[replica.pk] = inherited_failures(replica)
+            failed = max(failed, 1)
             backoff = settings.HEALTH_CHECK_SECONDS * 2 ** min(failed - 1, 16)
             return min(backoff, max(settings.HEALTH_BACKOFF_MAX_SECONDS,
                                     settings.HEALTH_CHECK_SECONDS))
@@ -131,6 +140,20 @@ class ProbePacer:
                 replica.last_health_at = wall
         return changed, {replica.pk: observations[replica.pk] for deployment, replica in due
                          if deployment.pk in changed}
+
+
+def inherited_failures(replica: Replica) -> int:
+    """The failed probes in a row that would have brought the backoff to where it is for
+    an endpoint failing since it last answered (or since it was started, if it never
+    did): after k failures in a row the endpoint has failed for about
+    HEALTH_CHECK_SECONDS * (2^(k-1) - 1), and the next interval is
+    HEALTH_CHECK_SECONDS * 2^(k-1), about as long again."""
+    base = settings.HEALTH_CHECK_SECONDS
+    since = replica.last_health_at or replica.started_at or replica.created_at
+    if base <= 0 or since is None:
+        return 1
+    failing = max((timezone.now() - since).total_seconds(), 0.0)
+    return 1 + int(math.log2(1 + failing / base))
 
 
 def _backend(deployment: Deployment) -> ReplicaBackend:

@@ -148,3 +148,55 @@ def test_probes_of_a_settled_fleet_read_no_deployment(
     assert "controlplane_deployment" not in tables
     writes = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("UPDATE")]
     assert writes and all("last_health_at" in w for w in writes)
+
+
+def test_a_new_process_takes_up_the_backoff_of_an_endpoint_long_dead(
+        endpoint: StandInEndpoint, settings: Any) -> None:
+    """A restarted control plane probes an endpoint that has not answered for ten minutes
+    about once a backoff's bound, not every HEALTH_CHECK_SECONDS while its own count of
+    failures builds up again; one that failed a moment ago is probed again soon."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from controlplane.reconciler.probes import ProbePacer, inherited_failures
+
+    settings.HEALTH_CHECK_SECONDS = 5
+    settings.HEALTH_BACKOFF_MAX_SECONDS = 60
+    endpoint.healthy = False
+    make_deployment("long-dead", replicas=1, backend=make_backend(
+        "long-dead", "external", {"url": endpoint.url}))
+    reconciler = Reconciler()
+    settle(reconciler, lambda: Replica.objects.exclude(last_error="").exists(),
+           "told unreachable")
+    replica = Replica.objects.get()
+    assert replica.last_health_at is None
+    # Fresh from the first failures: the backoff starts low.
+    assert ProbePacer().interval(replica, creates_replicas=False) <= 10
+    Replica.objects.filter(pk=replica.pk).update(
+        started_at=timezone.now() - timedelta(minutes=10))
+    replica.refresh_from_db()
+    assert inherited_failures(replica) == 1 + 6  # 600 s / 5 s: log2(121)
+    pacer = ProbePacer()
+    assert pacer.interval(replica, creates_replicas=False) == 60
+    # Its first probe is due somewhere in the next minute, not at once.
+    assert time.monotonic() < pacer.next_at(replica, False) <= time.monotonic() + 60
+    # It answered a minute ago: the backoff a minute of failures brings (5, 10, 20, 40).
+    Replica.objects.filter(pk=replica.pk).update(
+        last_health_at=timezone.now() - timedelta(minutes=1))
+    replica.refresh_from_db()
+    assert ProbePacer().interval(replica, creates_replicas=False) == 40
+
+    # A process that restarts (a new pacer) sends far fewer probes over 3 s of passes.
+    settings.HEALTH_CHECK_SECONDS = 0.1
+    settings.HEALTH_BACKOFF_MAX_SECONDS = 2.0
+    Replica.objects.filter(pk=replica.pk).update(
+        last_health_at=None, started_at=timezone.now() - timedelta(minutes=10))
+    restarted = Reconciler()
+    probes, started = endpoint.requests, time.monotonic()
+    while time.monotonic() - started < 3.0:
+        restarted.reconcile_changed()
+        time.sleep(0.02)
+    # From scratch: 0.1, 0.2, 0.4, 0.8, 1.6, 2.0 ... would be 6 probes; inherited: at
+    # most two (once somewhere in the first 2 s, then 2 s later).
+    assert endpoint.requests - probes <= 2
