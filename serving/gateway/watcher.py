@@ -1,5 +1,6 @@
 """The load watcher, one per event loop: every GATEWAY_LOAD_SCRAPE_SECONDS it scrapes
-each routed replica's queue (vLLM's running + waiting) for least-load routing, follows the
+the queue (vLLM's running + waiting) of each routed replica that shares its pool with
+another, for least-load routing (and of each one sitting out, to take it back in), follows the
 route table and key changes through Redis when the controller runs elsewhere, gives the
 priority queue the slots of the replicas that came or went, and cuts off the streams of
 keys revoked meanwhile."""
@@ -97,12 +98,34 @@ async def load_routes_from_redis(connection: Any) -> None:
         routes.load_json(text.decode() if isinstance(text, bytes) else str(text))
 
 
+def replicas_to_scrape(resources: Resources) -> tuple[set[str], dict[str, RouteReplica]]:
+    """Every routed replica's name, and the replicas whose queue is worth reading: those
+    that share a pool with another (their load chooses between them) and those sitting
+    out after a failure (an answer takes them back in). A replica alone in its pool is
+    taken whatever its load, so a fleet of single-replica deployments costs no scrape."""
+    present: set[str] = set()
+    wanted: dict[str, RouteReplica] = {}
+    states = resources.router.states
+    for pool in routes.table.pools.values():
+        shared = len(pool.replicas) > 1
+        for replica in pool.replicas:
+            present.add(replica.name)
+            state = states.get(replica.name)
+            if shared or (state is not None and state.failures):
+                wanted[replica.name] = replica
+    return present, wanted
+
+
 async def scrape_load(resources: Resources) -> None:
-    """Each routed replica's running + waiting requests, into the router's state."""
-    replicas = {r.name: r for deployment in routes.table.pools.values()
-                for r in deployment.replicas}
+    """The running + waiting requests of the replicas whose load is read (see
+    `replicas_to_scrape`), into the router's state."""
+    present, replicas = replicas_to_scrape(resources)
     router = resources.router
-    router.forget_missing(set(replicas))
+    router.forget_missing(present)
+    for name in present.difference(replicas):  # alone in its pool: no stale figure kept
+        state = router.states.get(name)
+        if state is not None:
+            state.scraped = 0
     if not replicas:
         return
     client = resources.connections

@@ -1,0 +1,92 @@
+"""The gateway's load scrape (serving/gateway/watcher.py): the queues of replicas that
+share a pool are read for least-load routing; a replica alone in its pool is not scraped
+(its load would choose nothing), unless it sits out after a failure, when an answer takes
+it back in."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from serving.gateway.watcher import scrape_load
+from serving.router import Router
+from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
+from serving.upstream import ConnectionPool
+
+
+@contextmanager
+def metrics_server(running: dict[str, int]) -> Iterator[tuple[str, Counter[str]]]:
+    """One HTTP server standing in for several replicas (by path prefix /<name>): each
+    serves vLLM's two queue gauges; the scrapes of each are counted."""
+    scrapes: Counter[str] = Counter()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            name = self.path.strip("/").split("/")[0]
+            scrapes[name] += 1
+            body = (f'vllm:num_requests_running{{model_name="fake"}} {running[name]}\n'
+                    f'vllm:num_requests_waiting{{model_name="fake"}} 0\n').encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", scrapes
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def table() -> Iterator[None]:
+    yield
+    routes.publish(build_table([]))
+
+
+async def test_only_replicas_that_share_a_pool_or_sit_out_are_scraped(table: Any) -> None:
+    running = {"alone-1": 7, "pair-1": 3, "pair-2": 0}
+    with metrics_server(running) as (url, scrapes):
+        alone = RouteReplica("alone-1", f"{url}/alone-1")
+        pair = (RouteReplica("pair-1", f"{url}/pair-1"), RouteReplica("pair-2", f"{url}/pair-2"))
+        routes.publish(build_table([
+            DeploymentRoutes("alone", "alone", "least-load", 2048, (alone,), ("alone",)),
+            DeploymentRoutes("pair", "pair", "least-load", 2048, pair, ("pair",))]))
+        router = Router()
+        resources: Any = SimpleNamespace(router=router, connections=ConnectionPool())
+        try:
+            await scrape_load(resources)
+            assert scrapes == {"pair-1": 1, "pair-2": 1}
+            assert router.load("pair-1") == 3 and router.load("pair-2") == 0
+            # Least load picks the idle one of the pair.
+            pool = routes.table.routes_for("pair")
+            assert pool is not None
+            picked = router.choose(pool)
+            assert picked is not None and picked.name == "pair-2"
+
+            # The lone replica fails a request: it sits out and is scraped until it answers.
+            router.failed("alone-1")
+            lone = routes.table.routes_for("alone")
+            assert lone is not None and router.choose(lone) is None
+            await scrape_load(resources)
+            assert scrapes["alone-1"] == 1
+            chosen = router.choose(lone)
+            assert chosen is not None and chosen.name == "alone-1"  # taken back in
+            await scrape_load(resources)
+            assert scrapes["alone-1"] == 1  # healthy and alone again: not scraped
+            assert scrapes["pair-1"] == scrapes["pair-2"] == 3
+        finally:
+            resources.connections.close()
