@@ -174,6 +174,11 @@ class Admission:
                 waits.append(lane.estimate(count, now, fallback))
         return max(waits, default=0.0)
 
+    def deployments_waiting(self) -> set[str]:
+        """The deployments with a request waiting in any of their lanes."""
+        return {deployment for deployment, lanes in self.by_deployment.items()
+                if any(lane.queues and lane.waiting() for lane in lanes.values())}
+
     def set_capacity(self, name: str, capacity: int) -> None:
         """The lane's slots changed: waiters take the new ones."""
         lane = self.lane(name)

@@ -78,6 +78,11 @@ class Resources:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.background: dict[str, asyncio.Task[None]] = {}
         self.work = background_work()
+        # What the load watcher last gave the queue slots from (the route table and the
+        # replicas sitting out), and the deployments whose estimated wait it last set
+        # above 0 (serving/gateway/watcher.py, refresh_capacity).
+        self.capacity_seen: tuple[Any, frozenset[str]] | None = None
+        self.estimated: set[str] = set()
 
     def follow_settings(self) -> None:
         """Take a changed REDIS_URL: a new client, and budgets kept where it says."""

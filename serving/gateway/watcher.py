@@ -78,17 +78,35 @@ async def end_streams_of_revoked_keys(resources: Resources) -> None:
 
 
 def refresh_capacity(resources: Resources) -> None:
-    """Replicas came or went: waiting requests take the new slots."""
+    """Replicas came or went, or one began or ended sitting out: waiting requests take
+    the new slots. Each deployment's estimated queue wait is published too. Done for the
+    whole fleet only when the route table or the replicas sitting out changed; otherwise
+    only the estimates of deployments that have requests waiting, or had at the last
+    look, are set again (a thousand idle deployments cost a comparison a second)."""
     now = time.monotonic()
     router, admission = resources.router, resources.admission
-    for deployment in routes.table.deployments():
-        for pool, replicas in deployment.context_pools().items():
-            # Healthy replicas only, as at admission: no slots on one sitting out.
-            healthy = sum(1 for r in replicas if router.state(r.name).unhealthy_until <= now)
-            admission.set_capacity(f"{deployment.deployment}|{pool}",
-                                   healthy * deployment.replica_concurrency)
-        metrics.child(metrics.QUEUE_ESTIMATE, deployment.deployment).set(
-            round(admission.estimated_wait(deployment.deployment), 3))
+    table = routes.table
+    sitting_out = frozenset(name for name, state in router.states.items()
+                            if state.unhealthy_until > now)
+    seen = resources.capacity_seen
+    if seen is not None and seen[0] is table and seen[1] == sitting_out:
+        estimate = admission.deployments_waiting() | resources.estimated
+    else:
+        for deployment in table.deployments():
+            for pool, replicas in deployment.context_pools().items():
+                # Healthy replicas only, as at admission: no slots on one sitting out.
+                healthy = sum(1 for r in replicas if r.name not in sitting_out)
+                admission.set_capacity(f"{deployment.deployment}|{pool}",
+                                       healthy * deployment.replica_concurrency)
+        resources.capacity_seen = (table, sitting_out)
+        estimate = {deployment.deployment for deployment in table.deployments()}
+    estimated: set[str] = set()
+    for name in estimate:
+        wait = round(admission.estimated_wait(name), 3)
+        metrics.child(metrics.QUEUE_ESTIMATE, name).set(wait)
+        if wait:
+            estimated.add(name)
+    resources.estimated = estimated
 
 
 async def load_routes_from_redis(connection: Any) -> None:

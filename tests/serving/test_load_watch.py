@@ -90,3 +90,57 @@ async def test_only_replicas_that_share_a_pool_or_sit_out_are_scraped(table: Any
             assert scrapes["pair-1"] == scrapes["pair-2"] == 3
         finally:
             resources.connections.close()
+
+
+async def test_waiters_take_the_slots_of_a_replica_that_comes_or_ends_sitting_out(
+        table: Any) -> None:
+    """The queue's slots follow the route table and the replicas sitting out, whether or
+    not anything else changed; the estimated wait is published while requests wait and
+    goes back to 0 when none does."""
+    import asyncio
+
+    from serving import metrics
+    from serving.admission import Admission
+    from serving.gateway.watcher import refresh_capacity
+    from serving.priority import PriorityClass
+
+    one = RouteReplica("slots-1", "http://127.0.0.1:9")
+    two = RouteReplica("slots-2", "http://127.0.0.1:9")
+    routes.publish(build_table([DeploymentRoutes("slots", "slots", "least-load", 2048,
+                                                 (one,), ("slots",), replica_concurrency=1)]))
+    router = Router()
+    resources: Any = SimpleNamespace(router=router, admission=Admission(),
+                                     capacity_seen=None, estimated=set())
+    gauge = metrics.child(metrics.QUEUE_ESTIMATE, "slots")
+    refresh_capacity(resources)
+    admission = resources.admission
+    standard = PriorityClass("standard", 1, 10, 30)
+    first = await admission.acquire("slots|all", 1, standard)
+    waiting = asyncio.ensure_future(admission.acquire("slots|all", 1, standard))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    refresh_capacity(resources)
+    assert gauge._value.get() > 0  # a request waits: its estimate is out
+    # A second replica: the waiter takes its slot at the next look.
+    routes.publish(build_table([DeploymentRoutes("slots", "slots", "least-load", 2048,
+                                                 (one, two), ("slots",),
+                                                 replica_concurrency=1)]))
+    refresh_capacity(resources)
+    second = await asyncio.wait_for(waiting, 1)
+    refresh_capacity(resources)
+    assert gauge._value.get() == 0  # nobody waits any more
+    admission.release(first.lane)
+    admission.release(second.lane)
+
+    # One replica sits out after a failure: one slot; a third request waits ...
+    router.failed("slots-2")
+    refresh_capacity(resources)
+    held = await admission.acquire("slots|all", 2, standard)
+    third = asyncio.ensure_future(admission.acquire("slots|all", 1, standard))
+    await asyncio.sleep(0)
+    assert not third.done()
+    # ... until its time out is over: the table is the same, the replicas sitting out not.
+    router.states["slots-2"].unhealthy_until = 0.0
+    refresh_capacity(resources)
+    admission.release((await asyncio.wait_for(third, 1)).lane)
+    admission.release(held.lane)
