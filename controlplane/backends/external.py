@@ -58,6 +58,11 @@ class ExternalBackend:
     def start(self, deployment: Deployment, replica: Replica) -> None:
         replica.endpoint = self.config.url
 
+    def probe_target(self) -> tuple[str, str, str]:
+        """What a probe asks (controlplane/reconciler/probes.py:probe_key): every
+        deployment on this URL with this key gets the same answer."""
+        return ("external", self.config.url, self.config.api_key)
+
     def observe(self, deployment: Deployment, replica: Replica, *,
                 probe_health: bool = True) -> Observation:
         if not probe_health:

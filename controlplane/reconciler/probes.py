@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import cast
 
@@ -33,6 +34,15 @@ from controlplane.models import Deployment, Replica
 
 # Probes run side by side (a probe that times out costs one timeout, not one per replica).
 PROBE_THREADS = 32
+# The longest a pass waits for the probes it begins (a probe of an endpoint that answers
+# takes milliseconds). A probe still running then (an endpoint that accepts connections
+# and answers nothing takes its whole timeout to fail) goes on, and the first pass after
+# it ends takes its answer, without waiting for it meanwhile: a fleet of hung endpoints
+# holds up neither the passes nor the routing of the endpoints that answer.
+PROBE_WAIT_SECONDS = 0.5
+# A probe's answer not taken up by a pass within this long is not gone by (a replica
+# deleted while its probe ran leaves one behind); a new probe is begun instead.
+STALE_PROBE_SECONDS = 15.0
 
 NOT_PACED = 0.0
 
@@ -48,6 +58,13 @@ class ProbePacer:
         # Kept for the process: starting threads anew each pass cost more than the probes.
         self.pool = ThreadPoolExecutor(max_workers=PROBE_THREADS,
                                        thread_name_prefix="probe")
+        # Endpoints out of routing are probed on threads of their own, so hundreds of
+        # endpoints that hang cannot queue the probes of those that answer behind them.
+        self.down_pool = ThreadPoolExecutor(max_workers=PROBE_THREADS,
+                                            thread_name_prefix="probe-down")
+        #: Probes begun and not yet taken up by a pass, by what they probe (`probe_key`),
+        #: with when each began (monotonic seconds).
+        self.running: dict[Hashable, tuple[Future[Observation], float]] = {}
 
     def interval(self, replica: Replica, creates_replicas: bool) -> float:
         """Seconds between this replica's probes; 0 for one probed on every pass."""
@@ -96,15 +113,41 @@ class ProbePacer:
         """The replica is gone."""
         self.last_probe.pop(pk, None)
         self.failures.pop(pk, None)
+        self.running.pop(("replica", pk), None)
 
     def probe(self, items: list[tuple[Deployment, Replica]]) -> dict[int, Observation]:
-        """Probe these replicas side by side; each one's observation, by pk."""
+        """Probe these replicas side by side, waiting at most PROBE_WAIT_SECONDS for the
+        probes begun here; the observation of each probe that ended (here or since an
+        earlier call), by pk. A replica whose probe is still running is left out: its
+        probe goes on (none is begun beside it), and a later call takes its answer."""
         if not items:
             return {}
-        results = self.pool.map(lambda item: _backend(item[0]).observe(
-            item[0], item[1], probe_health=True), items)
+        now = time.monotonic()
+        begun: list[tuple[Replica, Hashable, Future[Observation]]] = []
+        new: list[Future[Observation]] = []
+        for deployment, replica in items:
+            key = probe_key(deployment, replica)
+            running = self.running.get(key)
+            if running is not None and now - running[1] > STALE_PROBE_SECONDS:
+                running = None  # an answer nobody took up in time: too old to go by
+            if running is None:
+                down = replica.phase != Replica.Phase.READY and bool(replica.last_error)
+                future = (self.down_pool if down else self.pool).submit(
+                    _backend(deployment).observe, deployment, replica, probe_health=True)
+                self.running[key] = (future, now)
+                new.append(future)
+            else:
+                future = running[0]
+            begun.append((replica, key, future))
+        if new:
+            wait(new, timeout=PROBE_WAIT_SECONDS)
         observations = {}
-        for (_, replica), observation in zip(items, results, strict=True):
+        for replica, key, future in begun:
+            if not future.done():
+                continue
+            if key in self.running and self.running[key][0] is future:
+                del self.running[key]
+            observation = future.result()  # a backend's own failure fails the pass
             observations[replica.pk] = observation
             self.probed(replica, observation.alive and observation.healthy)
         return observations
@@ -121,6 +164,8 @@ class ProbePacer:
                for replica in replicas
                if self.due(replica, _backend(deployment).creates_replicas, now)]
         observations = self.probe(due)
+        due = [(deployment, replica) for deployment, replica in due
+               if replica.pk in observations]  # the probes still running: a later pass's
         changed: set[int] = set()
         healthy: list[Replica] = []
         record = timedelta(seconds=settings.HEALTH_RECORD_SECONDS)
@@ -140,6 +185,15 @@ class ProbePacer:
                 replica.last_health_at = wall
         return changed, {replica.pk: observations[replica.pk] for deployment, replica in due
                          if deployment.pk in changed}
+
+
+def probe_key(deployment: Deployment, replica: Replica) -> Hashable:
+    """What a probe of the replica asks: for an endpoint something else runs, its URL and
+    key (every deployment on one endpoint gets one probe and its answer, so a thousand
+    deployments on one endpoint that hangs hold one probe thread, not all of them); for
+    any other replica, itself."""
+    target = getattr(_backend(deployment), "probe_target", None)
+    return target() if target is not None else ("replica", replica.pk)
 
 
 def inherited_failures(replica: Replica) -> int:

@@ -79,13 +79,16 @@ class ReplicaReconciler:
                 probe = self.pacer.due(replica, backend.creates_replicas, now)
                 due.append((deployment, replica, probe))
         probed = [(deployment, replica) for deployment, replica, probe in due if probe]
+        answered = self.pacer.probe(probed)
         observations: dict[int, Observation] = dict(known)
-        for deployment, replica, probe in due:
-            if not probe:
+        for deployment, replica, _ in due:
+            # Not due, or its probe still running (an endpoint slow to fail): looked at
+            # without a probe this pass.
+            if replica.pk not in answered:
                 observations[replica.pk] = replica_backend(deployment).observe(
                     deployment, replica, probe_health=False)
-        observations.update(self.pacer.probe(probed))
-        self.probed = {replica.pk for _, replica in probed} | set(known)
+        observations.update(answered)
+        self.probed = set(answered) | set(known)
         self.observations = observations
 
     def cleanup_orphans(self, deployments: list[Deployment]) -> None:

@@ -143,7 +143,8 @@ def test_probes_of_a_settled_fleet_read_no_deployment(
     reconciler.reconcile_changed()
     probes = endpoint.requests
     with CaptureQueriesContext(connection) as queries:
-        settle(reconciler, lambda: endpoint.requests >= probes + 80, "eight rounds of probes")
+        # The ten deployments share one endpoint (URL and key): one probe a round.
+        settle(reconciler, lambda: endpoint.requests >= probes + 8, "eight rounds of probes")
     tables = " ".join(q["sql"] for q in queries.captured_queries)
     assert "controlplane_deployment" not in tables
     writes = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("UPDATE")]
@@ -200,3 +201,52 @@ def test_a_new_process_takes_up_the_backoff_of_an_endpoint_long_dead(
     # From scratch: 0.1, 0.2, 0.4, 0.8, 1.6, 2.0 ... would be 6 probes; inherited: at
     # most two (once somewhere in the first 2 s, then 2 s later).
     assert endpoint.requests - probes <= 2
+
+
+def test_endpoints_that_hang_hold_up_neither_the_passes_nor_the_endpoints_that_answer(
+        endpoint: StandInEndpoint, settings: Any) -> None:
+    """Forty endpoints accept connections and never answer (each probe waits out its 5 s
+    timeout; more of them than the probe threads): a pass still ends within about a
+    second, the one endpoint that answers is routed to at once, and the hung ones are told
+    unreachable once their probes run out."""
+    import socket
+
+    from controlplane.reconciler.probes import PROBE_WAIT_SECONDS
+
+    settings.RECONCILE_RESYNC_SECONDS = 3600
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(128)  # the kernel completes each connection; nobody reads or answers
+    try:
+        hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        for i in range(40):
+            make_deployment(f"hung-{i}", replicas=1, backend=make_backend(
+                f"hung-{i}", "external", {"url": hung_url}))
+        make_deployment("answers", replicas=1, backend=make_backend(
+            "answers", "external", {"url": endpoint.url}))
+        reconciler = Reconciler()
+        started = time.monotonic()
+        longest = 0.0
+
+        def timed_pass() -> None:
+            nonlocal longest
+            began = time.monotonic()
+            reconciler.reconcile_changed()
+            longest = max(longest, time.monotonic() - began)
+
+        def routed() -> bool:
+            return any(p.deployment == "answers" and p.replicas for p in current_pools())
+
+        while not routed():
+            timed_pass()
+            assert time.monotonic() - started < 4, "the answering endpoint waited"
+            time.sleep(0.02)
+        told = Replica.objects.filter(deployment__name__startswith="hung-").exclude(
+            last_error="")
+        while told.count() < 40:
+            timed_pass()
+            assert time.monotonic() - started < 30, f"{told.count()} of 40 told unreachable"
+            time.sleep(0.05)
+        assert longest < PROBE_WAIT_SECONDS + 1.0
+    finally:
+        hung.close()
