@@ -22,6 +22,14 @@ class StandInEndpoint:
         return f"http://{host!s}:{port}"
 
 
+def write_body(handler: BaseHTTPRequestHandler, body: bytes, content_type: str) -> None:
+    """The rest of an answer whose status line is sent: its headers and body."""
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 @contextmanager
 def stand_in_endpoint() -> Iterator[StandInEndpoint]:
     state: dict[str, StandInEndpoint] = {}
@@ -36,10 +44,7 @@ def stand_in_endpoint() -> Iterator[StandInEndpoint]:
             else:
                 body = b'{"error": "unavailable"}'
                 self.send_response(503)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            write_body(self, body, "application/json")
 
         def log_message(self, format: str, *args: object) -> None:
             return None

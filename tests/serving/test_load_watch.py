@@ -19,6 +19,7 @@ from serving.gateway.watcher import scrape_load
 from serving.router import Router
 from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
 from serving.upstream import ConnectionPool
+from tests.endpoints import write_body
 
 
 @contextmanager
@@ -34,9 +35,7 @@ def metrics_server(running: dict[str, int]) -> Iterator[tuple[str, Counter[str]]
             body = (f'vllm:num_requests_running{{model_name="fake"}} {running[name]}\n'
                     f'vllm:num_requests_waiting{{model_name="fake"}} 0\n').encode()
             self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            write_body(self, body, "text/plain; version=0.0.4")
 
         def log_message(self, format: str, *args: object) -> None:
             return None

@@ -69,6 +69,19 @@ def test_the_whole_view_is_sent_again_every_so_many_passes() -> None:
     assert orjson.loads(view.snapshot_text or "{}")["seq"] == SNAPSHOT_EVERY + 1
 
 
+def count_group_sends(layer: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The groups `layer` is asked to send to, in order, from now on."""
+    sent: list[str] = []
+    real_send = layer.group_send
+
+    async def counting(group: str, message: dict[str, Any]) -> None:
+        sent.append(group)
+        await real_send(group, message)
+
+    monkeypatch.setattr(layer, "group_send", counting)
+    return sent
+
+
 def one_update(name: str) -> dict[str, Any]:
     return {"type": "update", "deployment": name, "summary": summary(name)}
 
@@ -88,14 +101,7 @@ async def test_a_deployment_update_goes_only_to_a_dashboard_that_is_open(
     assert isinstance(layer, InMemoryChannelLayer)
     watcher = await layer.new_channel()
     await layer.group_add(publishing.deployment_group("d-0500"), watcher)
-    sent: list[str] = []
-    real_send = layer.group_send
-
-    async def counting(group: str, message: dict[str, Any]) -> None:
-        sent.append(group)
-        await real_send(group, message)
-
-    monkeypatch.setattr(layer, "group_send", counting)
+    sent = count_group_sends(layer, monkeypatch)
     await publishing.publish(fleet(THOUSAND), {s["name"]: one_update(s["name"])
                                                for s in THOUSAND})
     assert sent == [publishing.FLEET_GROUP, publishing.deployment_group("d-0500")]
@@ -124,14 +130,7 @@ async def test_over_redis_only_the_watched_groups_are_sent_their_update(
     for name in open_names:
         channels[name] = await layer.new_channel()
         await layer.group_add(publishing.deployment_group(name), channels[name])
-    sent: list[str] = []
-    real_send = layer.group_send
-
-    async def counting(group: str, message: dict[str, Any]) -> None:
-        sent.append(group)
-        await real_send(group, message)
-
-    monkeypatch.setattr(layer, "group_send", counting)
+    sent = count_group_sends(layer, monkeypatch)
     try:
         await publishing.publish(fleet(THOUSAND), {s["name"]: one_update(s["name"])
                                                    for s in THOUSAND})

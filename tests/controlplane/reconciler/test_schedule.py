@@ -48,6 +48,18 @@ def settle(reconciler: Reconciler, check: Callable[[], bool], what: str,
         time.sleep(0.02)
 
 
+def told_unreachable(name: str, endpoint: StandInEndpoint) -> Reconciler:
+    """One external deployment on the endpoint, failing, passed over until its replica is
+    told unreachable; the reconciler that did it."""
+    endpoint.healthy = False
+    make_deployment(name, replicas=1, backend=make_backend(
+        name, "external", {"url": endpoint.url}))
+    reconciler = Reconciler()
+    settle(reconciler, lambda: Replica.objects.exclude(last_error="").exists(),
+           "told unreachable")
+    return reconciler
+
+
 def all_ready() -> bool:
     return Replica.objects.filter(phase=Replica.Phase.READY).count() == 10
 
@@ -111,12 +123,7 @@ def test_an_endpoint_that_keeps_failing_is_probed_on_a_backoff_and_routed_again_
     settings.RECONCILE_RESYNC_SECONDS = 3600
     settings.HEALTH_CHECK_SECONDS = 0.1
     settings.HEALTH_BACKOFF_MAX_SECONDS = 0.8
-    endpoint.healthy = False
-    make_deployment("flaky", replicas=1, backend=make_backend(
-        "flaky", "external", {"url": endpoint.url}))
-    reconciler = Reconciler()
-    settle(reconciler, lambda: Replica.objects.exclude(last_error="").exists(),
-           "told unreachable")
+    reconciler = told_unreachable("flaky", endpoint)
     probes, started = endpoint.requests, time.monotonic()
     while time.monotonic() - started < 3.0:  # 3 s of passes, one every 20 ms
         reconciler.reconcile_changed()
@@ -164,12 +171,7 @@ def test_a_new_process_takes_up_the_backoff_of_an_endpoint_long_dead(
 
     settings.HEALTH_CHECK_SECONDS = 5
     settings.HEALTH_BACKOFF_MAX_SECONDS = 60
-    endpoint.healthy = False
-    make_deployment("long-dead", replicas=1, backend=make_backend(
-        "long-dead", "external", {"url": endpoint.url}))
-    reconciler = Reconciler()
-    settle(reconciler, lambda: Replica.objects.exclude(last_error="").exists(),
-           "told unreachable")
+    told_unreachable("long-dead", endpoint)
     replica = Replica.objects.get()
     assert replica.last_health_at is None
     # Fresh from the first failures: the backoff starts low.
