@@ -2,11 +2,13 @@
 
 Starts `manage.py serve` (controllers in the process) on a fresh data folder (SQLite, or the
 empty database of `--database-url`), creates `--models` models, then N external backends and
-N deployments through the REST API (one backend per deployment, as one endpoint each). A
-fraction (`--answering`) points at a handful of FAKE engines (fakes/engine.py, `--engines`
-processes shared by those deployments); the rest point at a closed port on 127.0.0.1 (no
-process listens there: every probe is refused at once), or with `--unanswering silent` at a
-port whose connections are never answered (every probe waits out its timeout). (A TEST-NET
+N deployments through the REST API (one backend per deployment, each its own endpoint URL:
+deployments on one URL and key share a probe, which would hide what a fleet costs). A
+fraction (`--answering`) points at FAKE engines (fakes/engine.py, `--engines` processes,
+each listening on a port per deployment, each port an engine of its own); the rest point at
+a closed port on 127.0.0.1 (no process listens there: every probe is refused at once), or
+with `--unanswering silent` at a port whose connections are never answered (every probe
+waits out its timeout), each with a path of its own. (A TEST-NET
 address is refused at once on the development machine, so it times nothing out there.)
 Then it measures:
 
@@ -98,15 +100,21 @@ class Report:
         print(f"\nfleet scale: {sum(judged)} of {len(judged)} targets met")
 
 
-def start_any_model_engine() -> tuple[subprocess.Popen[bytes], str]:
-    """A FAKE engine that serves a request for any model name (bench/any_model.py)."""
+def start_any_model_engine(ports: int, folder: Path) -> tuple[subprocess.Popen[bytes],
+                                                                list[str]]:
+    """A FAKE engine that serves a request for any model name (bench/any_model.py) on
+    `ports` ports, each an engine of its own (its own queue and metrics): one endpoint
+    per deployment, as a real fleet has, so that no two deployments share a probe."""
     port = free_port()
+    ports_file = folder / f"engine-{port}.ports"
     process = subprocess.Popen([sys.executable, "-m", "fakes.engine", "--port", str(port),
                                 "--model", "fake", "--token-interval-ms", "5", "--middleware",
-                                "bench.any_model.AnyModelName"], cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, 30, process)
-    return process, url
+                                "bench.any_model.AnyModelName", "--extra-ports",
+                                str(max(0, ports - 1)), "--ports-file", str(ports_file)],
+                               cwd=ROOT)
+    wait_healthy(f"http://127.0.0.1:{port}", 30, process)
+    urls = [f"http://127.0.0.1:{line}" for line in ports_file.read_text().split()]
+    return process, urls
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -153,7 +161,10 @@ class Fleet:
         self.options = options
         self.product = ControlPlane(**extra)
         self.port = self.product.port
-        self.engines = [start_any_model_engine() for _ in range(options.engines)]
+        answering = round(options.deployments * options.answering)
+        per_engine = max(1, -(-answering // max(1, options.engines)))
+        self.engines = [start_any_model_engine(per_engine, Path(self.product.env["DATA_DIR"]))
+                        for _ in range(options.engines)]
         if options.unanswering == "silent":
             # Listens (the kernel completes each handshake) but never accepts nor answers:
             # every probe waits out its timeout.
@@ -161,7 +172,6 @@ class Fleet:
             self.closed = f"http://127.0.0.1:{self.silent.getsockname()[1]}"
         else:
             self.closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-        answering = round(options.deployments * options.answering)
         self.names = [f"fleet-{i:05d}" for i in range(options.deployments)]
         self.answering = self.names[:answering]
         os.environ.update(self.product.env)
@@ -173,9 +183,13 @@ class Fleet:
         django.setup()
 
     def endpoint(self, index: int) -> str:
+        """Deployment `index`'s URL, its own: an engine's port of its own, or the closed
+        (or silent) port with a path of its own (deployments on one URL and key share a
+        probe, which would hide what a fleet of endpoints costs)."""
         if index < len(self.answering):
-            return self.engines[index % len(self.engines)][1]
-        return self.closed
+            engine = index % len(self.engines)
+            return self.engines[engine][1][index // len(self.engines)]
+        return f"{self.closed}/d{index}"
 
     def create(self) -> list[float]:
         """Models, backends and deployments through the REST API, 4 requests at a time;
