@@ -7,10 +7,9 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import httpx
-
-from controlplane.backends import vllm_http
+from controlplane.backends import probe_client
 from controlplane.backends.base import BackendConfigError, Observation
+from controlplane.backends.probe_client import ProbeFailed
 
 if TYPE_CHECKING:
     from controlplane.models import Deployment, Replica
@@ -48,9 +47,9 @@ class ExternalBackend:
     owns_pods = False
 
     def __init__(self, config: ExternalConfig) -> None:
+        # Probes go through the process's one probe client (controlplane/backends/
+        # probe_client.py: one TLS context, connections kept per host).
         self.config = config
-        # Every backend shares one pooled client (one TLS context for the process).
-        self.http = vllm_http.shared_client()
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
@@ -68,16 +67,14 @@ class ExternalBackend:
         if not probe_health:
             return Observation(alive=True, healthy=True, message="not probed", probed=False)
         try:
-            response = self.http.get(f"{self.config.url}/v1/models", headers=self._headers(),
-                                     timeout=5.0)
-        except httpx.HTTPError as exc:
-            detail = f"{exc.__class__.__name__}: {exc}" if str(exc) else \
-                exc.__class__.__name__
+            status = probe_client.shared().status(
+                self.config.url, "/v1/models", tuple(self._headers().items()), timeout=5.0)
+        except ProbeFailed as exc:
             return Observation(alive=False, healthy=False,
-                               message=f"{self.config.url} unreachable ({detail[:300]})")
-        healthy = response.status_code == 200
+                               message=f"{self.config.url} unreachable ({str(exc)[:300]})")
+        healthy = status == 200
         return Observation(alive=healthy, healthy=healthy, message="" if healthy else (
-            f"{self.config.url} unreachable (/v1/models answered {response.status_code})"))
+            f"{self.config.url} unreachable (/v1/models answered {status})"))
 
     def warm_up(self, deployment: Deployment, replica: Replica) -> None:
         return None
