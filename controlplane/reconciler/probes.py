@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import cast
@@ -40,8 +40,9 @@ PROBE_THREADS = 32
 # it ends takes its answer, without waiting for it meanwhile: a fleet of hung endpoints
 # holds up neither the passes nor the routing of the endpoints that answer.
 PROBE_WAIT_SECONDS = 0.5
-# A probe's answer not taken up by a pass within this long is not gone by (a replica
-# deleted while its probe ran leaves one behind); a new probe is begun instead.
+# A probe's answer not taken up by a pass within this long after it came is not gone by
+# (a replica deleted while its probe ran leaves one behind); a new probe is begun instead.
+# A probe still waiting for a thread or running is never begun again beside itself.
 STALE_PROBE_SECONDS = 15.0
 
 NOT_PACED = 0.0
@@ -62,9 +63,10 @@ class ProbePacer:
         # endpoints that hang cannot queue the probes of those that answer behind them.
         self.down_pool = ThreadPoolExecutor(max_workers=PROBE_THREADS,
                                             thread_name_prefix="probe-down")
-        #: Probes begun and not yet taken up by a pass, by what they probe (`probe_key`),
-        #: with when each began (monotonic seconds).
-        self.running: dict[Hashable, tuple[Future[Observation], float]] = {}
+        #: Probes begun and not yet taken up by a pass, by what they probe (`probe_key`).
+        self.running: dict[Hashable, Future[Observation]] = {}
+        #: When each of those ended (monotonic seconds), set from the probe's thread.
+        self.ended_at: dict[Hashable, float] = {}
 
     def interval(self, replica: Replica, creates_replicas: bool) -> float:
         """Seconds between this replica's probes; 0 for one probed on every pass."""
@@ -114,6 +116,7 @@ class ProbePacer:
         self.last_probe.pop(pk, None)
         self.failures.pop(pk, None)
         self.running.pop(("replica", pk), None)
+        self.ended_at.pop(("replica", pk), None)
 
     def probe(self, items: list[tuple[Deployment, Replica]]) -> dict[int, Observation]:
         """Probe these replicas side by side, waiting at most PROBE_WAIT_SECONDS for the
@@ -127,17 +130,18 @@ class ProbePacer:
         new: list[Future[Observation]] = []
         for deployment, replica in items:
             key = probe_key(deployment, replica)
-            running = self.running.get(key)
-            if running is not None and now - running[1] > STALE_PROBE_SECONDS:
-                running = None  # an answer nobody took up in time: too old to go by
-            if running is None:
+            future = self.running.get(key)
+            if future is not None and future.done() and \
+                    now - self.ended_at.get(key, now) > STALE_PROBE_SECONDS:
+                future = None  # an answer nobody took up in time: too old to go by
+            if future is None:
                 down = replica.phase != Replica.Phase.READY and bool(replica.last_error)
                 future = (self.down_pool if down else self.pool).submit(
                     _backend(deployment).observe, deployment, replica, probe_health=True)
-                self.running[key] = (future, now)
+                self.running[key] = future
+                self.ended_at.pop(key, None)
+                future.add_done_callback(self._ended(key))
                 new.append(future)
-            else:
-                future = running[0]
             begun.append((replica, key, future))
         if new:
             wait(new, timeout=PROBE_WAIT_SECONDS)
@@ -145,12 +149,19 @@ class ProbePacer:
         for replica, key, future in begun:
             if not future.done():
                 continue
-            if key in self.running and self.running[key][0] is future:
+            if self.running.get(key) is future:
                 del self.running[key]
+                self.ended_at.pop(key, None)
             observation = future.result()  # a backend's own failure fails the pass
             observations[replica.pk] = observation
             self.probed(replica, observation.alive and observation.healthy)
         return observations
+
+    def _ended(self, key: Hashable) -> Callable[[Future[Observation]], None]:
+        def ended(future: Future[Observation]) -> None:
+            if self.running.get(key) is future:
+                self.ended_at[key] = time.monotonic()
+        return ended
 
     def probe_settled(self, settled: list[tuple[Deployment, list[Replica]]]
                       ) -> tuple[set[int], dict[int, Observation]]:

@@ -252,3 +252,55 @@ def test_endpoints_that_hang_hold_up_neither_the_passes_nor_the_endpoints_that_a
         assert longest < PROBE_WAIT_SECONDS + 1.0
     finally:
         hung.close()
+
+
+def test_hung_endpoints_past_the_probe_threads_are_each_probed_once_while_they_wait(
+        settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forty endpoints of their own that accept and never answer, more than the probe
+    threads: a probe waiting for a thread is never begun again beside itself (each
+    endpoint sees one connection), and every one is told unreachable once its probe
+    runs out."""
+    import selectors
+    import socket
+    import threading
+
+    from controlplane.reconciler import probes
+
+    monkeypatch.setattr(probes, "STALE_PROBE_SECONDS", 1.0)  # shorter than a thread's wait
+    settings.RECONCILE_RESYNC_SECONDS = 3600
+    settings.HEALTH_CHECK_SECONDS = 3600  # first probes only, within the test
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(40)]
+    accepted: dict[int, int] = {listener.fileno(): 0 for listener in listeners}
+    held: list[socket.socket] = []
+    selector = selectors.DefaultSelector()
+    for listener in listeners:
+        listener.setblocking(False)
+        selector.register(listener, selectors.EVENT_READ)
+    done = threading.Event()
+
+    def accept() -> None:  # counts each connection and holds it open, answering nothing
+        while not done.is_set():
+            for key, _ in selector.select(0.05):
+                connection, _ = key.fileobj.accept()  # type: ignore[union-attr]
+                held.append(connection)
+                accepted[key.fd] += 1
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        for i, listener in enumerate(listeners):
+            make_deployment(f"mute-{i}", replicas=1, backend=make_backend(
+                f"mute-{i}", "external",
+                {"url": f"http://127.0.0.1:{listener.getsockname()[1]}"}))
+        reconciler = Reconciler()
+        told = Replica.objects.exclude(last_error="")
+        settle(reconciler, lambda: told.count() == 40, "every endpoint told unreachable",
+               seconds=30)
+        assert sorted(accepted.values()) == [1] * 40
+    finally:
+        done.set()
+        thread.join(5)
+        for connection in held:
+            connection.close()
+        for listener in listeners:
+            listener.close()
