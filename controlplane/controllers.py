@@ -108,6 +108,7 @@ async def _run(stop: asyncio.Event) -> None:
             logger.warning("could not read the last route table: %s", error)
         await _reconcile_loop(reconciler, stop, interval)
     finally:
+        reconciler.replicas.pacer.close()  # probes still queued are not waited for
         await asyncio.gather(collecting, autoscaler, pruning, return_exceptions=True)
 
 

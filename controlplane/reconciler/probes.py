@@ -157,6 +157,14 @@ class ProbePacer:
             self.probed(replica, observation.alive and observation.healthy)
         return observations
 
+    def close(self) -> None:
+        """The controllers stop: probes waiting for a thread are dropped, so the process
+        does not wait at its exit for a queue of probes of endpoints that hang (those
+        running end within their timeout)."""
+        for pool in (self.pool, self.down_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.running.clear()
+
     def _ended(self, key: Hashable) -> Callable[[Future[Observation]], None]:
         def ended(future: Future[Observation]) -> None:
             if self.running.get(key) is future:
