@@ -4,8 +4,7 @@ on one event loop thread of the process, asked from the reconciler's probe threa
 A general client's pool does not scale to a fleet's endpoints: httpx's pool looks at every
 connection it holds on every request, so with a hundred answering endpoints the probes
 spent most of their time in that scan (py-spy, bench/fleet_scale.py). The upstream client
-keeps its connections per host, and a probe costs a little over half of an httpx request on
-its own."""
+keeps its connections per host (bench/probe_calls.py compares one probe each way)."""
 
 from __future__ import annotations
 
