@@ -20,10 +20,11 @@ _client_lock = threading.Lock()
 
 
 def shared_client() -> httpx.Client:
-    """The process's one client for backends' probes, warm-ups and queue reads. Each
-    httpx.Client builds its own TLS context (about 25 ms and 0.85 MiB), so a client per
-    backend made a new control plane's first pass over 1,000 external endpoints take
-    half a minute; one shared client builds one, and pools connections per host. Its
+    """The process's one client for local backends' probes, warm-ups and queue reads
+    (external endpoints are probed through probe_client.py). Each httpx.Client builds
+    its own TLS context (about 25 ms and 0.85 MiB), so a client per backend made a new
+    control plane's first pass over 1,000 external endpoints take half a minute; one
+    shared client builds one, and pools connections per host. Its
     requests are independent (each passes its own headers and timeout), and it is safe to
     use from the reconciler's probe threads at once."""
     global _client
