@@ -1,7 +1,8 @@
 """Router policies: which ready replica of a deployment takes a request.
 
 - least-load (default): fewest outstanding requests: the gateway's own in-flight requests
-  to the replica plus its scraped vllm:num_requests_running and num_requests_waiting;
+  to the replica plus the rest of its scraped vllm:num_requests_running and
+  num_requests_waiting (the engine's count less this process's own requests);
 - round-robin: the baseline;
 - session: the same `user` field or X-Session-Id goes to the same replica (rendezvous
   hashing) while it is healthy and not overloaded;
@@ -39,7 +40,7 @@ class ReplicaState:
     """One replica's load and health as this process sees them."""
 
     in_flight: int = 0
-    scraped: int = 0  # vLLM's running + waiting, from its /metrics
+    scraped: int = 0  # vLLM's running + waiting, from its /metrics, less our own in_flight
     unhealthy_until: float = 0.0
     failures: int = 0
 

@@ -149,13 +149,20 @@ async def scrape_load(resources: Resources) -> None:
     client = resources.connections
 
     async def one(replica: RouteReplica) -> None:
+        state = router.state(replica.name)
+        own_before = state.in_flight
         try:
             async with asyncio.timeout(2):
                 text = await client.get_text(replica.url, "/metrics", replica_auth(replica))
         except (UpstreamError, TimeoutError):
             return
         state = router.state(replica.name)
-        state.scraped = int(requests_in_system(text) or 0)
+        # The engine's count holds this process's own requests, which `in_flight` counts
+        # already and keeps current: only the rest (other gateway processes', anything
+        # sent to the engine directly) is kept, so a scrape that caught one of our own
+        # requests running does not leave the replica counted busy until the next scrape.
+        own = max(own_before, state.in_flight)
+        state.scraped = max(0, int(requests_in_system(text) or 0) - own)
         if state.failures:
             # Active health: a replica that answers again is taken back in.
             router.succeeded(replica.name)

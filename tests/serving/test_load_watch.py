@@ -91,6 +91,30 @@ async def test_only_replicas_that_share_a_pool_or_sit_out_are_scraped(table: Any
             resources.connections.close()
 
 
+async def test_the_gateways_own_requests_are_not_counted_twice(table: Any) -> None:
+    """The engine's queue holds this gateway's own requests, which its in-flight count
+    keeps current: a scrape that caught one of them running must not leave the replica
+    counted busy after it ended (a session's home replica would be passed over until
+    the next scrape). Requests the engine has from elsewhere still count."""
+    running = {"own-1": 1, "own-2": 3}
+    with metrics_server(running) as (url, _):
+        pair = (RouteReplica("own-1", f"{url}/own-1"), RouteReplica("own-2", f"{url}/own-2"))
+        routes.publish(build_table([
+            DeploymentRoutes("own", "own", "session", 2048, pair, ("own",))]))
+        router = Router()
+        resources: Any = SimpleNamespace(router=router, connections=ConnectionPool())
+        try:
+            router.state("own-1").in_flight = 1  # ours, running on the engine
+            router.state("own-2").in_flight = 1  # ours; the engine has 2 from elsewhere
+            await scrape_load(resources)
+            assert router.load("own-1") == 1 and router.load("own-2") == 3
+            router.state("own-1").in_flight = 0  # our request ended after the scrape
+            router.state("own-2").in_flight = 0
+            assert router.load("own-1") == 0 and router.load("own-2") == 2
+        finally:
+            resources.connections.close()
+
+
 async def test_waiters_take_the_slots_of_a_replica_that_comes_or_ends_sitting_out(
         table: Any) -> None:
     """The queue's slots follow the route table and the replicas sitting out, whether or
