@@ -1,0 +1,74 @@
+"""`manage.py serve`'s main loop wakes once a second (the Date header) or at once for a
+stopping signal, not ten times a second as uvicorn's own: an idle server sleeps, a
+stopped one still stops at once, and the Date header its answers carry stays current."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import psutil
+
+from controlplane.management.commands.serve import quiet_main_loop, waking_handle_exit
+from tests.processes import free_port, manage, server_env, start_server, stop_server
+
+
+class TickingServer(SimpleNamespace):
+    """What the main loop needs of uvicorn's Server: on_tick, should_exit, the signals
+    handle_exit records."""
+
+    def __init__(self) -> None:
+        super().__init__(should_exit=False, force_exit=False, _captured_signals=[],
+                         ticks=[])
+
+    async def on_tick(self, counter: int) -> bool:
+        self.ticks.append((counter, time.monotonic()))
+        return bool(self.should_exit)
+
+
+async def test_a_signal_ends_the_main_loop_at_once_and_the_header_ticks_each_second(
+) -> None:
+    server: Any = TickingServer()
+    loop = asyncio.get_running_loop()
+    running = loop.create_task(quiet_main_loop(server))
+    while len(server.ticks) < 2:  # the first tick at start, the next about a second later
+        await asyncio.sleep(0.05)
+    first, second = server.ticks[0], server.ticks[1]
+    assert first[0] % 10 == 0 and second[0] % 10 == 0  # each tick renews the Date header
+    assert 0.9 <= second[1] - first[1] <= 1.5
+    asked = time.monotonic()
+    waking_handle_exit(server, signal.SIGTERM, None)
+    await asyncio.wait_for(running, 0.5)  # not left for the rest of the second
+    assert time.monotonic() - asked < 0.5
+    assert server._captured_signals == [signal.SIGTERM]
+
+
+def test_the_served_process_sleeps_when_idle_and_stops_at_once(tmp_path: Path) -> None:
+    env = server_env(tmp_path / "data")
+    manage(env, "migrate", "--noinput", "-v0")
+    port = free_port()
+    process, _ = start_server(env, port, "--no-controllers")
+    try:
+        answer = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        dated = parsedate_to_datetime(answer.headers["date"]).timestamp()
+        assert abs(dated - time.time()) < 3  # the header is kept current
+        # No request: the main thread's wake-ups are the load watcher's (once a second)
+        # and the main loop's (once a second), not uvicorn's ten a second.
+        switches = psutil.Process(process.pid).num_ctx_switches().voluntary
+        time.sleep(3)  # a window to count in, not a wait for a condition
+        per_second = (psutil.Process(process.pid).num_ctx_switches().voluntary
+                      - switches) / 3
+        assert per_second < 8, per_second
+        asked = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=10)
+        assert time.monotonic() - asked < 0.9  # not a tick later
+    finally:
+        if process.poll() is None:
+            stop_server(process)
