@@ -179,6 +179,7 @@ class ControlPlane:
     """The control plane, with engines registered as external deployments."""
 
     root = ROOT  # whose code runs: this checkout's
+    serve_options: tuple[str, ...] = ()  # `manage.py serve`'s, e.g. --no-controllers
 
     def __init__(self, **extra_env: str) -> None:
         data = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
@@ -192,7 +193,7 @@ class ControlPlane:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if root == ROOT:
-            self.process, _ = start_server(self.env, self.port)
+            self.process, _ = start_server(self.env, self.port, *self.serve_options)
         else:
             self.process = start_server_in(root, self.env, self.port)
 
@@ -281,6 +282,30 @@ class OtherCheckout(ControlPlane):
     def __init__(self, root: Path, extra_env: dict[str, str]) -> None:
         self.root = root
         super().__init__(**extra_env)
+
+
+class GatewayOnly(ControlPlane):
+    """The gateway in a process of its own (`manage.py serve --no-controllers`), the
+    controllers and collector in another (`manage.py run_controllers`), sharing the
+    database and a Redis server (the route table reaches the gateway through it). Its
+    CPU figures are the gateway process's alone."""
+
+    serve_options = ("--no-controllers",)
+
+    def __init__(self, redis_url: str, **extra_env: str) -> None:
+        super().__init__(REDIS_URL=redis_url, **extra_env)
+        self.controllers = subprocess.Popen(
+            [sys.executable, "manage.py", "run_controllers"], cwd=ROOT, env=self.env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        """The gateway, then the controllers (their replicas: none, all external)."""
+        self.controllers.terminate()
+        try:
+            self.controllers.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.controllers.kill()
+        super().stop()
 
 
 def start_server_in(root: Path, env: dict[str, str], port: int) -> subprocess.Popen[str]:
@@ -533,29 +558,42 @@ def start_router(executable: Path, engine_url: str) -> tuple[subprocess.Popen[by
 
 
 def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
-    """Direct, the gateway and vLLM's router before the same engines, rounds interleaved;
-    one table, then each target of the gateway against the router."""
+    """Direct, the gateway (embedded default, and alone in its process unless
+    --no-gateway-only) and vLLM's router before the same engines, rounds interleaved;
+    one table, then each target of each gateway path against the router."""
     rounds = options.rounds or (1 if options.quick else 6)
     names = options.loads or list(LOADS)
     executable = None if options.no_router else router_executable(Path(options.router_env))
-    product = ControlPlane(**extra_env)
-    processes: list[subprocess.Popen[bytes]] = []
-    results: list[tuple[Load, list[Endpoint], list[Side]]] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        product = ControlPlane(**extra_env)
+        stack.callback(product.stop)
+        alone: GatewayOnly | None = None
+        if not options.no_gateway_only:
+            from tests.services import private_redis
+
+            redis_server = stack.enter_context(private_redis())
+            alone = GatewayOnly(redis_server.url, **extra_env)
+            stack.callback(alone.stop)
+        processes: list[subprocess.Popen[bytes]] = []
+        stack.callback(end_processes, processes)
+        results: list[tuple[Load, list[Endpoint], list[Side]]] = []
         paced, paced_url = start_engine(10.0, "fake")
         unpaced, unpaced_url = start_engine(0.0, "fast")
         processes += [paced, unpaced]
-        product.route("fake", paced_url)
-        product.route("fast", unpaced_url)
-        pid = product.process.pid
-        endpoints = [Endpoint("direct", {"fake": paced_url, "fast": unpaced_url}, None, {}),
-                     Endpoint("gateway", {"fake": product.url, "fast": product.url},
-                              product.key, {"fake": pid, "fast": pid})]
+        endpoints = [Endpoint("direct", {"fake": paced_url, "fast": unpaced_url}, None, {})]
+        for label, plane in (("gateway", product), ("gateway alone", alone)):
+            if plane is None:
+                continue
+            plane.route("fake", paced_url)
+            plane.route("fast", unpaced_url)
+            pid = plane.process.pid
+            endpoints.append(Endpoint(label, {"fake": plane.url, "fast": plane.url},
+                                      plane.key, {"fake": pid, "fast": pid}))
         if executable is not None:  # one router per engine, as one gateway serves both
             (paced_router, paced_via), (unpaced_router, unpaced_via) = (
                 start_router(executable, url) for url in (paced_url, unpaced_url))
             processes += [paced_router, unpaced_router]
-            endpoints.append(Endpoint("vllm-router", {"fake": paced_via, "fast": unpaced_via},
+            endpoints.append(Endpoint(ROUTER, {"fake": paced_via, "fast": unpaced_via},
                                       None, {"fake": paced_router.pid,
                                              "fast": unpaced_router.pid}))
         # Background CPU (the gateway's controllers and collector, the routers' health
@@ -565,6 +603,10 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
             f"{endpoint.name} ({'paced' if model == 'fake' else 'unpaced'}) "
             f"{idle[model][index]:.1%}" for model in idle
             for index, endpoint in enumerate(endpoints) if endpoint.pids), flush=True)
+        if alone is not None:
+            print(f"the gateway alone's controllers (run_controllers, another process) with "
+                  f"no traffic: {process_cpu_rate(alone.controllers.pid, 10.0):.1%} of one "
+                  f"core (not counted in its figures)", flush=True)
         for name in names:
             load_ = LOADS.get(name) or profile_load(name)
             sides = interleave(load_, endpoints, rounds, idle[load_.model])
@@ -573,13 +615,31 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
         print_table(results, rounds)
         if options.vllm:
             print("gateway overhead, vLLM: " + "; ".join(measure_vllm(product, processes, 1)))
-    finally:
-        product.stop()
-        for process in processes:
-            if getattr(process, "fleet_group", False):
-                os.killpg(process.pid, signal.SIGKILL)
-            else:
-                process.kill()
+
+
+ROUTER = "vllm-router"
+
+
+def end_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Kill the engines and routers (a process group where one was made)."""
+    for process in processes:
+        if getattr(process, "fleet_group", False):
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            process.kill()
+
+
+def process_cpu_rate(pid: int, seconds: float) -> float:
+    """A process's CPU (user + system, every thread) per second over `seconds`."""
+    import psutil
+
+    process = psutil.Process(pid)
+    before = process.cpu_times()
+    started = time.monotonic()
+    time.sleep(seconds)
+    after = process.cpu_times()
+    return (after.user + after.system - before.user - before.system) / (
+        time.monotonic() - started)
 
 
 def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds: int) -> None:
@@ -596,7 +656,8 @@ def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds
 
 
 def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: int) -> None:
-    """The markdown table, then the targets (gateway against router, same run)."""
+    """The markdown table, then the targets (each gateway path against the router, same
+    run)."""
     print(f"\n{rounds} interleaved rounds per load; added TTFT is the path's percentile "
           f"minus the direct one; CPU per relayed event is the path's process (user + "
           f"system, every thread, children included) over its own rounds; net: less its "
@@ -604,7 +665,8 @@ def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: 
     print("| load | path | TTFT p50 / p99 | added TTFT p50 / p99 | tokens/s | ratio | "
           "CPU per event (net) | errors |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    misses: dict[str, list[str]] = {"ttft": [], "ratio": [], "cpu": []}
+    # Per gateway path, per target, the rows that miss it.
+    misses: dict[str, dict[str, list[str]]] = {}
     for load_, endpoints, sides in results:
         direct = sides[0]
         for endpoint, side in zip(endpoints, sides, strict=True):
@@ -616,19 +678,26 @@ def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: 
             print(f"| {load_.name} | {endpoint.name} | {side.ttft(0.5):.1f} / "
                   f"{side.ttft(0.99):.1f} ms | {added} | {side.rate:,.0f} | "
                   f"{side.rate / direct.rate:.3f} | {cpu} | {side.errors} |")
-        if len(sides) == 3:
-            check_targets(load_.name, sides[0], sides[1], sides[2], misses)
+        names = [endpoint.name for endpoint in endpoints]
+        if ROUTER not in names:
+            continue
+        router = sides[names.index(ROUTER)]
+        for endpoint, side in zip(endpoints[1:], sides[1:], strict=True):
+            if endpoint.name != ROUTER:
+                check_targets(load_.name, direct, side, router, misses.setdefault(
+                    endpoint.name, {"ttft": [], "ratio": [], "cpu": []}))
     print()
-    if not results or len(results[0][2]) < 3:
+    if not misses:
         print("targets: not judged (no vllm-router in this run)")
         return
     rows = len(results)
-    for key, text in (("ttft", "added TTFT p50 within the router's + 2 ms on every row"),
-                      ("ratio", "throughput ratio at least the router's on every row"),
-                      ("cpu", "CPU per relayed event at most the router's on every row")):
-        verdict = "MISSED" if misses[key] else "met"
-        detail = "; ".join(misses[key]) if misses[key] else f"{rows} of {rows} rows"
-        print(f"target: {text}: {verdict} ({detail})")
+    for path, missed in misses.items():
+        for key, text in (("ttft", "added TTFT p50 within the router's + 2 ms on every row"),
+                          ("ratio", "throughput ratio at least the router's on every row"),
+                          ("cpu", "CPU per relayed event at most the router's on every row")):
+            verdict = "MISSED" if missed[key] else "met"
+            detail = "; ".join(missed[key]) if missed[key] else f"{rows} of {rows} rows"
+            print(f"target ({path}): {text}: {verdict} ({detail})")
 
 
 def check_targets(name: str, direct: Side, gateway: Side, router: Side,
@@ -773,6 +842,9 @@ def main() -> None:
                         "1 with --quick; 4 and 2 with --compare-with)")
     parser.add_argument("--no-router", action="store_true",
                         help="direct and the gateway only (no vllm-router)")
+    parser.add_argument("--no-gateway-only", action="store_true",
+                        help="leave out the gateway alone in its process (serve "
+                        "--no-controllers beside run_controllers, on a private Redis)")
     parser.add_argument("--router-env", default=str(ROUTER_ENV), metavar="PATH",
                         help="the benchmark's own environment holding vllm-router and "
                         "py-spy, created there on first use (default %(default)s)")
