@@ -74,6 +74,9 @@ from tests.processes import (  # noqa: E402
 )
 
 ROUTER_VERSION = "0.1.17"
+# The load key's limits: far above any load here (64 unpaced streams relay about 11
+# million tokens a minute), never refusing, always checked.
+KEY_RPM, KEY_TPM = 100_000_000, 2_000_000_000
 ROUTER_ENV = ROOT / ".bench" / "router-venv"
 
 
@@ -188,8 +191,11 @@ class ControlPlane:
         self.manage("migrate", "--noinput", "-v0")
         self.admin = self.manage("create_api_key", "--name", "bench", "--scope",
                                  "admin").stdout.strip().splitlines()[-1]
-        self.key = self.manage("create_api_key", "--name", "load", "--scope",
-                               "inference").stdout.strip().splitlines()[-1]
+        # Rate limits no load here reaches, so the limiter is in the measured path (with
+        # REDIS_URL, a Redis round trip per request) as on a shared fleet.
+        self.key = self.manage("create_api_key", "--name", "load", "--scope", "inference",
+                               "--rpm", str(KEY_RPM), "--tpm", str(KEY_TPM)
+                               ).stdout.strip().splitlines()[-1]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if root == ROOT:

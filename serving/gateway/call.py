@@ -154,7 +154,9 @@ def for_replica(body: dict[str, Any], raw: bytes, found: DeploymentRoutes,
     options = body.get("stream_options") or {}
     wanted = {"include_usage": True, "continuous_usage_stats": True} if (
         found.running_usage) else {"include_usage": True}
-    usage_missing = stream and any(not options.get(name) for name in wanted)
+    # Written out, not any() over a generator: this runs for every request.
+    usage_missing = stream and (not options.get("include_usage") or (
+        found.running_usage and not options.get("continuous_usage_stats")))
     rewrite = body["model"] != found.served_model_name or usage_missing
     if found.priority_scheduling:  # vLLM's scheduler orders by it (lower first)
         body["priority"] = priority.level
