@@ -38,9 +38,17 @@ def shared(url: str) -> Any:
     return client
 
 
+# Connections one event loop's client opens at most. A command beyond them waits for one
+# to be free (at most TIMEOUT_SECONDS): redis-py's default pool instead fails a command
+# at once past 100 in flight, so a burst of requests with rate limits got 503s.
+EVENT_LOOP_CONNECTIONS = 64
+
+
 def for_event_loop(url: str) -> Any:
     """A new asyncio client for `url`, to be kept by the event loop that made it."""
     import redis.asyncio as redis
 
-    return redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_SECONDS,
-                                socket_timeout=TIMEOUT_SECONDS)
+    pool = redis.BlockingConnectionPool.from_url(
+        url, max_connections=EVENT_LOOP_CONNECTIONS, timeout=TIMEOUT_SECONDS,
+        socket_connect_timeout=CONNECT_TIMEOUT_SECONDS, socket_timeout=TIMEOUT_SECONDS)
+    return redis.Redis.from_pool(pool)

@@ -116,6 +116,28 @@ def test_two_limiters_on_one_redis_share_one_budget() -> None:
     asyncio.run(run())
 
 
+def test_a_burst_of_requests_is_checked_not_refused_for_want_of_connections() -> None:
+    """More requests at once than the client keeps connections (a gateway process under a
+    burst): each waits its turn for one and is checked, none fails as if Redis were away
+    (redis-py's default pool failed every command past 100 in flight, and the gateway
+    answered 503 `limits_unavailable`)."""
+    from serving.redis_clients import EVENT_LOOP_CONNECTIONS
+
+    async def run() -> None:
+        limiter = RedisLimiter(REDIS)
+        rpm = [Limit("requests", bucket(), 1000, 1)]
+        burst = 4 * EVENT_LOOP_CONNECTIONS + 50  # 306: past the default pool's 100 too
+        verdicts = await asyncio.gather(*(limiter.admit(rpm) for _ in range(burst)))
+        assert all(v.allowed for v in verdicts)
+        # Every one was charged: the bucket has 1000 - 306 left.
+        last = await limiter.admit(rpm)
+        assert dict(last.headers())[b"x-ratelimit-remaining-requests"] == str(
+            1000 - burst - 1).encode()
+        await limiter.close()
+
+    asyncio.run(run())
+
+
 def test_the_buckets_of_a_key_and_its_team() -> None:
     from serving.keys import KeyInfo
 
