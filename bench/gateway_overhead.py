@@ -9,7 +9,11 @@ The loads (--loads picks a subset, --rounds sets how many interleaved rounds):
   direct and through the gateway.
 
 The gateway is the product itself (`manage.py serve`, controllers included) with each
-engine registered as an external deployment. The router runs round_robin over one worker,
+engine registered as an external deployment; unless --no-gateway-only, also alone in its
+process (`serve --no-controllers` beside `run_controllers`, sharing the database and a
+private `redis-server`), its CPU counted without the controllers'. The load key has rate
+limits no load reaches, so the limiter is in the measured path (in Redis for the gateway
+alone). The router runs round_robin over one worker,
 one router per engine, from the benchmark's own virtual environment (.bench/router-venv,
 ignored by git, created on first use; never the project's). Rounds are interleaved (direct,
 gateway, router, direct, ...) so every path sees the same machine. Per path and load it
@@ -35,7 +39,7 @@ while 128 paced streams go through it, writes the raw collapsed stacks to PATH a
 where the time goes (bench/profile_summary.py).
 
     .venv/bin/python bench/gateway_overhead.py [--loads NAME,...] [--rounds N] [--quick]
-        [--no-router] [--vllm] [--compare-with PATH [--local]]
+        [--no-router] [--no-gateway-only] [--vllm] [--compare-with PATH [--local]]
         [--profile PATH [--profile-native]]
 """
 
