@@ -225,7 +225,7 @@ class Command(BaseCommand):
 async def quiet_main_loop(server: Any) -> None:
     """uvicorn's main loop, woken once a second (to renew the Date header) or at once by
     a stopping signal, where uvicorn's own wakes ten times a second to look for one: an
-    idle server's event loop stays asleep (half of the wake-ups of an idle gateway)."""
+    idle server's event loop stays asleep (uvicorn's were most of an idle gateway's wake-ups)."""
     loop = asyncio.get_running_loop()
     server.fleet_loop = loop
     counter = 0
