@@ -45,10 +45,21 @@ EVENT_LOOP_CONNECTIONS = 64
 
 
 def for_event_loop(url: str) -> Any:
-    """A new asyncio client for `url`, to be kept by the event loop that made it."""
+    """A new asyncio client for `url`, to be kept by the event loop that made it.
+
+    A command that finds its connection broken is sent once more on a new one: after a
+    Redis restart every connection kept in the pool is dead, and each failed its first
+    command (a rate-limited request answered 503) until it had been tried. A timeout is
+    not tried again (a Redis that hangs still fails a call within TIMEOUT_SECONDS); a
+    command whose connection broke after Redis ran it runs twice, which for the rate
+    limits charges a request twice, never lets one through uncharged."""
     import redis.asyncio as redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as BrokenConnection
 
     pool = redis.BlockingConnectionPool.from_url(
         url, max_connections=EVENT_LOOP_CONNECTIONS, timeout=TIMEOUT_SECONDS,
-        socket_connect_timeout=CONNECT_TIMEOUT_SECONDS, socket_timeout=TIMEOUT_SECONDS)
+        socket_connect_timeout=CONNECT_TIMEOUT_SECONDS, socket_timeout=TIMEOUT_SECONDS,
+        retry=Retry(NoBackoff(), 1, (BrokenConnection,)))
     return redis.Redis.from_pool(pool)

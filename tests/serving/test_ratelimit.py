@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from serving.ratelimit import Limit, MemoryLimiter, RedisLimiter, key_limits, token_charges
 from tests.serving.conftest import flush_redis_budgets
@@ -136,6 +138,29 @@ def test_a_burst_of_requests_is_checked_not_refused_for_want_of_connections() ->
         await limiter.close()
 
     asyncio.run(run())
+
+
+def test_after_a_redis_restart_the_kept_connections_do_not_fail_checks() -> None:
+    """Redis restarted: every connection the client kept is dead. The checks made right
+    after are counted on new connections, none fails as if Redis were still away (each
+    kept connection used to fail its first command: a limited request answered 503)."""
+    from tests.services import private_redis
+
+    async def run(server: Any) -> None:
+        limiter = RedisLimiter(server.url)
+        rpm = [Limit("requests", bucket(), 1000, 1)]
+        await asyncio.gather(*(limiter.admit(rpm) for _ in range(6)))  # six kept
+        server.stop()
+        with pytest.raises(RedisConnectionError):  # away: the check fails, as it must
+            await limiter.admit(rpm)
+        server.start()
+        verdicts = await asyncio.gather(*(limiter.admit(rpm) for _ in range(6)),
+                                        return_exceptions=True)
+        assert [getattr(v, "allowed", v) for v in verdicts] == [True] * 6
+        await limiter.close()
+
+    with private_redis() as server:
+        asyncio.run(run(server))
 
 
 def test_the_buckets_of_a_key_and_its_team() -> None:
