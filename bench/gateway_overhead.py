@@ -615,7 +615,7 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
             for index, endpoint in enumerate(endpoints) if endpoint.pids), flush=True)
         if alone is not None:
             print(f"the gateway alone's controllers (run_controllers, another process) with "
-                  f"no traffic: {process_cpu_rate(alone.controllers.pid, 10.0):.1%} of one "
+                  f"no traffic: {controllers_idle(alone, 10.0):.1%} of one "
                   f"core (not counted in its figures)", flush=True)
         for name in names:
             load_ = LOADS.get(name) or profile_load(name)
@@ -639,17 +639,10 @@ def end_processes(processes: list[subprocess.Popen[bytes]]) -> None:
             process.kill()
 
 
-def process_cpu_rate(pid: int, seconds: float) -> float:
-    """A process's CPU (user + system, every thread) per second over `seconds`."""
-    import psutil
-
-    process = psutil.Process(pid)
-    before = process.cpu_times()
-    started = time.monotonic()
-    time.sleep(seconds)
-    after = process.cpu_times()
-    return (after.user + after.system - before.user - before.system) / (
-        time.monotonic() - started)
+def controllers_idle(alone: GatewayOnly, seconds: float) -> float:
+    """The gateway alone's controllers process: its CPU per second with no traffic."""
+    controllers = Endpoint("controllers", {}, None, {"fake": alone.controllers.pid})
+    return idle_burn([controllers], seconds)["fake"][0]
 
 
 def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds: int) -> None:

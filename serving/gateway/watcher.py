@@ -156,7 +156,6 @@ async def scrape_load(resources: Resources) -> None:
                 text = await client.get_text(replica.url, "/metrics", replica_auth(replica))
         except (UpstreamError, TimeoutError):
             return
-        state = router.state(replica.name)
         # The engine's count holds this process's own requests, which `in_flight` counts
         # already and keeps current: only the rest (other gateway processes', anything
         # sent to the engine directly) is kept, so a scrape that caught one of our own
