@@ -33,12 +33,15 @@ def gateway_url() -> Iterator[str]:
     process, so tests can hand it route tables."""
     import uvicorn
 
+    from controlplane.http_protocol import HttpProtocol
+
     port = free_port()
     config = uvicorn.Config("controlplane.asgi:application", host="127.0.0.1", port=port,
                             log_level="warning", lifespan="off", access_log=False,
                             # As `manage.py serve`: forwarded headers are trusted only
-                            # through TRUSTED_PROXIES (serving/proxies.py).
-                            proxy_headers=False)
+                            # through TRUSTED_PROXIES (serving/proxies.py), and the
+                            # server's own HTTP protocol.
+                            proxy_headers=False, http=HttpProtocol)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -179,8 +179,12 @@ class Command(BaseCommand):
         import uvicorn
 
         from controlplane.controllers import run_controllers
+        from controlplane.http_protocol import HttpProtocol
 
         config = uvicorn.Config("controlplane.asgi:application", host=host, port=port,
+                                # uvicorn's httptools protocol, a response's head written
+                                # with its first body bytes (controlplane/http_protocol.py)
+                                http=HttpProtocol,
                                 log_level=log_level, lifespan="off", access_log=False,
                                 # X-Forwarded-For is believed only from TRUSTED_PROXIES, in
                                 # serving/proxies.py; uvicorn's own default trusts 127.0.0.1.

@@ -1,0 +1,109 @@
+"""The server's HTTP protocol (controlplane/http_protocol.py): an answer whole when it
+starts reaches the client in one piece, head and body together; a stream's head is not
+held back waiting for its first bytes; keep-alive, chunked bodies and a closing answer
+still work. The server runs in a process of its own, as `manage.py serve` does, so the
+client reads what each write of the server brought."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.processes import ROOT, free_port, wait_healthy
+
+# The stream's body waits for a request to /go.
+release: dict[str, asyncio.Event] = {}
+
+
+async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """/whole (any other path too): a sized answer sent at once; /stream: a chunked one
+    whose body waits for a request to /go; /close: a sized answer that ends the
+    connection."""
+    path = scope["path"]
+    if path == "/stream":
+        go = release["stream"] = asyncio.Event()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await go.wait()
+        await send({"type": "http.response.body", "body": b"data: one\n\n",
+                    "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    if path == "/go":
+        release["stream"].set()
+    headers = [(b"content-type", b"text/plain"), (b"content-length", b"5")]
+    if path == "/close":
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"hello"})
+
+
+SERVER = """
+import sys, uvicorn
+from controlplane.http_protocol import HttpProtocol
+from tests.controlplane.test_http_protocol import application
+uvicorn.run(application, host="127.0.0.1", port=int(sys.argv[1]), http=HttpProtocol,
+            lifespan="off", log_level="warning")
+"""
+
+
+@pytest.fixture(scope="module")
+def server_port() -> Iterator[int]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], cwd=ROOT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", 30, process)
+        yield port
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def ask(connection: socket.socket, path: str) -> bytes:
+    """Send a GET; the bytes of the client's first read of the answer."""
+    connection.sendall(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+    return connection.recv(65536)
+
+
+def read_until(connection: socket.socket, data: bytes, end: bytes) -> bytes:
+    """More reads until `data` ends with `end`."""
+    while not data.endswith(end):
+        more = connection.recv(65536)
+        assert more, data
+        data += more
+    return data
+
+
+def test_a_whole_answer_arrives_in_one_read_head_and_body_together(server_port: int
+                                                                      ) -> None:
+    with socket.create_connection(("127.0.0.1", server_port), timeout=10) as connection:
+        for _ in range(20):  # and again on the kept-alive connection
+            first = ask(connection, "/whole")
+            assert first.startswith(b"HTTP/1.1 200 OK\r\n")
+            assert first.endswith(b"\r\n\r\nhello")
+
+
+def test_a_streams_head_comes_before_its_first_bytes_are_ready(server_port: int) -> None:
+    with socket.create_connection(("127.0.0.1", server_port), timeout=10) as connection:
+        head = read_until(connection, ask(connection, "/stream"), b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert b"transfer-encoding: chunked" in head
+        with socket.create_connection(("127.0.0.1", server_port), timeout=10) as other:
+            assert ask(other, "/go").endswith(b"hello")
+        body = read_until(connection, b"", b"0\r\n\r\n")
+        assert body == b"b\r\ndata: one\n\n\r\n0\r\n\r\n"
+        assert ask(connection, "/whole").endswith(b"\r\n\r\nhello")  # still kept alive
+
+
+def test_an_answer_that_closes_the_connection_is_written_whole_first(server_port: int
+                                                                      ) -> None:
+    with socket.create_connection(("127.0.0.1", server_port), timeout=10) as connection:
+        answer = read_until(connection, ask(connection, "/close"), b"hello")
+        assert b"connection: close" in answer
+        assert connection.recv(65536) == b""  # then the server closed it
