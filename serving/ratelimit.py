@@ -145,24 +145,20 @@ return out
 
 
 class RedisLimiter:
-    """Shared by every gateway process using the same Redis."""
+    """Shared by every gateway process using the same Redis: the script on the event
+    loop's own pipelined connection (serving/redis_script.py)."""
 
-    def __init__(self, url: str = "", *, connection: Any = None) -> None:
-        """On `connection` (an asyncio Redis client the caller keeps), else a client of
-        its own for `url`."""
-        if connection is None:
-            from serving.redis_clients import for_event_loop
+    def __init__(self, url: str) -> None:
+        from serving.redis_script import ScriptClient
 
-            connection = for_event_loop(url)
-        self.connection: Any = connection
-        self.script: Any = self.connection.register_script(SCRIPT)
+        self.script = ScriptClient(url, SCRIPT)
 
     async def _run(self, mode: str, limits: list[Limit]) -> Verdict:
-        args: list[Any] = [mode]
+        args = [mode]
         for limit in limits:
             args += [repr(limit.interval), repr(float(limit.cost))]
-        result = await self.script(keys=[REDIS_PREFIX + limit.bucket for limit in limits],
-                                   args=args)
+        result = await self.script.run([REDIS_PREFIX + limit.bucket for limit in limits],
+                                       args)
         used = [float(v) for v in result[2:]]
         return Verdict(bool(int(result[0])), float(result[1]), used, limits)
 
@@ -179,8 +175,8 @@ class RedisLimiter:
         await self._run("charge", [replace(limit, cost=-limit.cost) for limit in limits])
 
     async def close(self) -> None:
-        """Close its Redis client."""
-        await self.connection.aclose()
+        """Close its connection."""
+        await self.script.close()
 
 
 Limiter = MemoryLimiter | RedisLimiter

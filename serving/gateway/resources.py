@@ -89,11 +89,13 @@ class Resources:
         url = hot.REDIS_URL or ""
         if url == self.redis_url:
             return
-        old, self.redis_url = self.redis, url
+        old, old_limiter, self.redis_url = self.redis, self.limiter, url
         self.redis = for_event_loop(url) if url else None
-        self.limiter = RedisLimiter(connection=self.redis) if url else MemoryLimiter()
+        self.limiter = RedisLimiter(url) if url else MemoryLimiter()
         if old is not None:
             self.spawn(old.aclose())
+        if isinstance(old_limiter, RedisLimiter):
+            self.spawn(old_limiter.close())
 
     def keep_background(self) -> None:
         """Start the loop's background tasks, once (and again should one have ended).

@@ -1,0 +1,98 @@
+"""The rate limiter's Redis client (serving/redis_script.py), on real Redis servers: calls
+pipelined on one connection each get their own reply; a Redis that forgot the script gets
+it again; the URL's database is the one used; a Redis that hangs fails the calls within
+the limit and the client recovers when it answers again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import redis
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from serving.redis_script import ScriptClient
+from tests.services import private_redis
+
+REDIS = "redis://127.0.0.1:6379/6"
+# Adds ARGV[1] to the key's value and returns the key and the new value.
+SCRIPT = "return {KEYS[1], redis.call('INCRBY', KEYS[1], ARGV[1])}"
+
+
+def test_calls_pipelined_on_one_connection_each_get_their_own_reply() -> None:
+    async def run() -> None:
+        client = ScriptClient(REDIS, SCRIPT)
+        keys = [f"test:script:{uuid.uuid4().hex}" for _ in range(200)]
+        replies = await asyncio.gather(*(client.run([key], [str(n)])
+                                         for n, key in enumerate(keys)))
+        assert replies == [[key.encode(), n] for n, key in enumerate(keys)]
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_redis_that_forgot_the_script_is_sent_it_again() -> None:
+    async def run() -> None:
+        client = ScriptClient(REDIS, SCRIPT)
+        key = f"test:script:{uuid.uuid4().hex}"
+        assert (await client.run([key], ["2"]))[1] == 2
+        redis.Redis.from_url(REDIS).script_flush()
+        assert (await client.run([key], ["3"]))[1] == 5
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_the_database_in_the_url_is_the_one_written() -> None:
+    key = f"test:script:{uuid.uuid4().hex}"
+
+    async def run() -> None:
+        client = ScriptClient("redis://127.0.0.1:6379/9", SCRIPT)
+        await client.run([key], ["4"])
+        await client.close()
+
+    asyncio.run(run())
+    assert redis.Redis.from_url("redis://127.0.0.1:6379/9").get(key) == b"4"
+    assert redis.Redis.from_url("redis://127.0.0.1:6379/0").get(key) is None
+
+
+def test_an_error_the_script_raises_is_a_response_error() -> None:
+    async def run() -> None:
+        client = ScriptClient(REDIS, "return redis.error_reply('no such thing')")
+        with pytest.raises(ResponseError, match="no such thing"):
+            await client.run(["test:script:x"], [])
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_redis_that_hangs_fails_the_calls_in_time_and_they_work_once_it_answers(
+) -> None:
+    async def run(server_url: str, pid: int) -> None:
+        client = ScriptClient(server_url, SCRIPT, timeout=0.5)
+        key = f"test:script:{uuid.uuid4().hex}"
+        assert (await client.run([key], ["1"]))[1] == 1
+        os.kill(pid, signal.SIGSTOP)  # the process is there, its socket open, silent
+        try:
+            started = time.monotonic()
+            outcomes = await asyncio.gather(*(client.run([key], ["1"]) for _ in range(3)),
+                                            return_exceptions=True)
+            waited = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert [type(outcome) for outcome in outcomes] == [RedisTimeoutError] * 3
+        assert waited < 2.0
+        # The late replies went with the dropped connection: the next call is answered
+        # on a new one, after the three that Redis ran when it woke up.
+        replies = await asyncio.gather(*(client.run([key], ["1"]) for _ in range(2)))
+        assert sorted(reply[1] for reply in replies) == [5, 6]
+        await client.close()
+
+    with private_redis() as server:
+        assert server.process is not None
+        asyncio.run(run(server.url, server.process.pid))
