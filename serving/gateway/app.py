@@ -16,7 +16,16 @@ from typing import Any
 import orjson
 
 from serving.calls import GatewayError, new_id
-from serving.gateway.call import Call, Receive, Scope, Send, Timing, build_call, header
+from serving.gateway.call import (
+    WRITE_BODY,
+    Call,
+    Receive,
+    Scope,
+    Send,
+    Timing,
+    build_call,
+    header,
+)
 from serving.gateway.guard import (
     authenticate_caller,
     charge_rate_limits,
@@ -137,6 +146,7 @@ class Gateway:
             raw = await read_body(scope, receive)
             call = build_call(scope, raw, ENDPOINTS[scope["path"]], key, request_id, timing)
             call.receive = receive
+            call.write_body = scope.get("extensions", {}).get(WRITE_BODY)
             headers = headers + await charge_rate_limits(resources, call)
             async with Session(resources, call) as stream:
                 if call.ticket is not None:

@@ -33,6 +33,11 @@ from serving.routes import DeploymentRoutes, routes
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+# Writes one chunk of a streamed answer at once; False when it must be sent the ASGI way.
+WriteBody = Callable[[bytes, bool], bool]
+# The scope's extension where the server offers a WriteBody (controlplane/http_protocol.py,
+# which names it alike).
+WRITE_BODY = "fleetplane.write_body"
 
 
 @dataclass(eq=False, slots=True)
@@ -72,6 +77,7 @@ class Call:
     wants_running_usage: bool = False
     limits: list[Limit] = field(default_factory=list)  # rate limits charged at admission
     receive: Receive | None = None  # an HTTP client's messages: leaving the queue on going
+    write_body: WriteBody | None = None  # the server's, for the chunks of a stream
     timing: Timing = field(default_factory=Timing)
     ticket: Ticket | None = None  # the admission slot held, given back when the call ends
     answered: bool = False  # a replica answered (else admission's charge is given back)

@@ -186,10 +186,12 @@ class EventRelay:
     waits for its end); the final usage event taken out unless asked for, the usage so
     far too where the replica adds it; the chunks timed and the events counted."""
 
-    __slots__ = ("call", "ended", "found", "pending", "send", "strip", "timing")
+    __slots__ = ("call", "ended", "found", "pending", "send", "strip", "timing",
+                 "write_body")
 
     def __init__(self, send: Send, call: Call, found: dict[str, Any]) -> None:
         self.send, self.call, self.found, self.timing = send, call, found, call.timing
+        self.write_body = call.write_body  # the server's own, where it has one
         self.pending = b""
         self.strip = call.running_usage and not call.wants_running_usage
         self.ended = False  # the client's answer was ended (with the last bytes)
@@ -225,6 +227,8 @@ class EventRelay:
             return self.end(complete)
         if not complete:
             return None
+        if self.write_body is not None and self.write_body(complete, True):
+            return None
         return start(self.send({"type": "http.response.body", "body": complete,
                                 "more_body": True}))
 
@@ -233,6 +237,8 @@ class EventRelay:
         write."""
         self.ended = True
         body, self.pending = complete + self.pending, b""
+        if self.write_body is not None and self.write_body(body, False):
+            return None
         return start(self.send({"type": "http.response.body", "body": body,
                                 "more_body": False}))
 
