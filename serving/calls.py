@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from typing import Any
 
 import orjson
@@ -151,8 +152,11 @@ def reserved_completion_tokens(body: dict[str, Any], kind: str, max_model_len: i
 def well_formed(key: str) -> bool:
     """Whether a key could be one of ours (`fp-` and URL-safe characters), so a flood of
     made-up strings costs no database lookups."""
-    return (key.startswith("fp-") and 16 <= len(key) <= 200
-            and all(c.isalnum() or c in "-_" for c in key) and key.isascii())
+    return KEY_SHAPE.fullmatch(key) is not None
+
+
+# `fp-` and URL-safe ASCII characters, 16 to 200 in all.
+KEY_SHAPE = re.compile(r"fp-[A-Za-z0-9_-]{13,197}")
 
 
 def prompt_prefix(body: dict[str, Any], kind: str) -> str | None:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +30,9 @@ WINDOW = 60.0  # seconds: limits are per minute
 REDIS_PREFIX = "fleetplane:rl:"
 
 
-@dataclass(frozen=True)
-class Limit:
-    """One bucket a request is charged to, and its cost."""
+class Limit(NamedTuple):
+    """One bucket a request is charged to, and its cost (a tuple: a rate-limited request
+    makes two to four of them)."""
 
     kind: str  # "requests" or "tokens": which x-ratelimit-* headers it feeds
     bucket: str  # e.g. "key:12:rpm"
@@ -43,6 +43,17 @@ class Limit:
     def interval(self) -> float:
         """Seconds of budget one unit of cost takes."""
         return WINDOW / self.per_minute
+
+    def given_back(self) -> Limit:
+        """The same bucket, its cost taken back."""
+        return self._replace(cost=-self.cost)
+
+
+# The x-ratelimit-* header names of each kind of limit: limit, remaining, reset.
+HEADER_NAMES = {kind: (f"x-ratelimit-limit-{kind}".encode(),
+                       f"x-ratelimit-remaining-{kind}".encode(),
+                       f"x-ratelimit-reset-{kind}".encode())
+                for kind in ("requests", "tokens")}
 
 
 @dataclass
@@ -57,20 +68,18 @@ class Verdict:
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """OpenAI's x-ratelimit-* headers, from the tightest limit of each kind."""
+        tightest: dict[str, tuple[int, int, float]] = {}
+        for limit, used in zip(self.limits, self.used, strict=True):
+            remaining = max(0, math.floor((WINDOW - used) / limit.interval + 1e-9))
+            known = tightest.get(limit.kind)
+            if known is None or remaining < known[1]:
+                tightest[limit.kind] = (limit.per_minute, remaining, max(0.0, used))
         out: list[tuple[bytes, bytes]] = []
-        for kind in ("requests", "tokens"):
-            tightest: tuple[int, int, float] | None = None
-            for limit, used in zip(self.limits, self.used, strict=True):
-                if limit.kind != kind:
-                    continue
-                remaining = max(0, math.floor((WINDOW - used) / limit.interval + 1e-9))
-                if tightest is None or remaining < tightest[1]:
-                    tightest = (limit.per_minute, remaining, max(0.0, used))
-            if tightest is not None:
-                out += [(f"x-ratelimit-limit-{kind}".encode(), str(tightest[0]).encode()),
-                        (f"x-ratelimit-remaining-{kind}".encode(), str(tightest[1]).encode()),
-                        (f"x-ratelimit-reset-{kind}".encode(),
-                         f"{tightest[2]:.1f}s".encode())]
+        for kind, (limit_name, remaining_name, reset_name) in HEADER_NAMES.items():
+            found = tightest.get(kind)
+            if found is not None:
+                out += [(limit_name, b"%d" % found[0]), (remaining_name, b"%d" % found[1]),
+                        (reset_name, b"%.1fs" % found[2])]
         if not self.allowed:
             out.append((b"retry-after", str(max(1, math.ceil(self.retry_after))).encode()))
         return out
@@ -89,16 +98,21 @@ class MemoryLimiter:
     async def admit(self, limits: list[Limit], *, commit: bool = True) -> Verdict:
         """Check (and with `commit`, charge) every limit at once."""
         now = time.time()
-        after = [_step(self.buckets.get(limit.bucket), now, limit) for limit in limits]
-        worst = max((t - now - WINDOW for t in after), default=0.0)
+        buckets = self.buckets
+        after = []
+        worst = 0.0
+        for limit in limits:  # written out: this runs before every limited request
+            tat = _step(buckets.get(limit.bucket), now, limit)
+            after.append(tat)
+            worst = max(worst, tat - now - WINDOW)
         if worst > 1e-9:
-            used = [max(self.buckets.get(limit.bucket, now), now) - now for limit in limits]
+            used = [max(buckets.get(limit.bucket, now), now) - now for limit in limits]
             return Verdict(False, worst, used, limits)
         if commit:
             for limit, tat in zip(limits, after, strict=True):
-                self.buckets[limit.bucket] = tat
-            if len(self.buckets) > 200_000:
-                self.buckets = {k: v for k, v in self.buckets.items() if v > now}
+                buckets[limit.bucket] = tat
+            if len(buckets) > 200_000:
+                self.buckets = {k: v for k, v in buckets.items() if v > now}
         return Verdict(True, 0.0, [t - now for t in after], limits)
 
     async def charge(self, limits: list[Limit]) -> None:
@@ -109,7 +123,7 @@ class MemoryLimiter:
 
     async def refund(self, limits: list[Limit]) -> None:
         """Give back what an admitted request was charged."""
-        await self.charge([replace(limit, cost=-limit.cost) for limit in limits])
+        await self.charge([limit.given_back() for limit in limits])
 
 
 # KEYS: the buckets. ARGV[1]: "admit", "peek" (check only) or "charge" (no check);
@@ -172,7 +186,7 @@ class RedisLimiter:
 
     async def refund(self, limits: list[Limit]) -> None:
         """Give back what an admitted request was charged (it never reached a replica)."""
-        await self._run("charge", [replace(limit, cost=-limit.cost) for limit in limits])
+        await self._run("charge", [limit.given_back() for limit in limits])
 
     async def close(self) -> None:
         """Close its connection."""
