@@ -107,6 +107,16 @@ class Wire(asyncio.Protocol):
             self.drop(RedisTimeoutError(f"Redis did not answer within {self.timeout:g} s"))
 
 
+def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
+    """TLS for a `rediss://` URL: the system's certificates, or `ssl_ca_certs`; with
+    `ssl_cert_reqs=none`, no check of the server's certificate (as redis-py's own)."""
+    context = ssl.create_default_context(cafile=options.get("ssl_ca_certs"))
+    if str(options.get("ssl_cert_reqs", "required")).lower() in ("none", "cert_none"):
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 class ScriptClient:
     """Runs one Lua script on the Redis at `url`, for the event loop that uses it."""
 
@@ -161,7 +171,7 @@ class ScriptClient:
                 opening = loop.create_unix_connection(lambda: Wire(self.timeout),
                                                       options["path"])
             else:
-                context = ssl.create_default_context() if kind is SSLConnection else None
+                context = tls_context(options) if kind is SSLConnection else None
                 opening = loop.create_connection(
                     lambda: Wire(self.timeout), options.get("host", "localhost"),
                     int(options.get("port", 6379)), ssl=context)

@@ -39,6 +39,7 @@ class PrivateRedis:
     port: int
     folder: Path
     process: subprocess.Popen[bytes] | None = None
+    options: tuple[str, ...] = ()  # more of redis-server's, e.g. ("--requirepass", "...")
 
     @property
     def url(self) -> str:
@@ -49,7 +50,7 @@ class PrivateRedis:
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
              "--save", "", "--appendonly", "no", "--dir", str(self.folder),
-             "--logfile", str(self.folder / "redis.log")],
+             "--logfile", str(self.folder / "redis.log"), *self.options],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_until("the private Redis answered PING", self.answers)
 
@@ -70,6 +71,8 @@ class PrivateRedis:
 
         try:
             return bool(redis.Redis(port=self.port, socket_timeout=1).ping())
+        except redis.AuthenticationError:
+            return True  # it answers, and wants a password
         except redis.RedisError:
             return False
 
@@ -141,10 +144,10 @@ def _require(*binaries: str) -> None:
 
 
 @contextlib.contextmanager
-def private_redis() -> Iterator[PrivateRedis]:
+def private_redis(*options: str) -> Iterator[PrivateRedis]:
     _require("redis-server")
     folder = Path(tempfile.mkdtemp(prefix="fleetplane-redis-"))
-    server = PrivateRedis(free_port(), folder)
+    server = PrivateRedis(free_port(), folder, options=options)
     try:
         server.start()
         yield server

@@ -1,7 +1,7 @@
 """The rate limiter's Redis client (serving/redis_script.py), on real Redis servers: calls
 pipelined on one connection each get their own reply; a Redis that forgot the script gets
-it again; the URL's database is the one used; a Redis that hangs fails the calls within
-the limit and the client recovers when it answers again."""
+it again; the URL's database, password and socket are the ones used; a Redis that hangs
+fails the calls within the limit and the client recovers when it answers again."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -96,3 +98,25 @@ def test_a_redis_that_hangs_fails_the_calls_in_time_and_they_work_once_it_answer
     with private_redis() as server:
         assert server.process is not None
         asyncio.run(run(server.url, server.process.pid))
+
+
+def test_a_password_and_a_unix_socket_in_the_url_are_used_and_a_wrong_password_fails(
+        tmp_path: Path) -> None:
+    socket_path = tmp_path / "redis.sock"
+    key = f"test:script:{uuid.uuid4().hex}"
+
+    async def run(port: int) -> None:
+        for url in (f"redis://:s3cret@127.0.0.1:{port}/3",
+                    f"unix://:s3cret@{socket_path}?db=3"):
+            client = ScriptClient(url, SCRIPT)
+            await client.run([key], ["1"])
+            await client.close()
+        wrong = ScriptClient(f"redis://:guess@127.0.0.1:{port}/3", SCRIPT)
+        with pytest.raises(RedisConnectionError, match="refused the connection's set-up"):
+            await wrong.run([key], ["1"])
+        await wrong.close()
+
+    with private_redis("--requirepass", "s3cret", "--unixsocket", str(socket_path)) as server:
+        asyncio.run(run(server.port))
+        stored = redis.Redis(port=server.port, password="s3cret", db=3).get(key)
+    assert stored == b"2"
