@@ -68,9 +68,13 @@ class Wire(asyncio.Protocol):
                 call.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.fail_waiting(RedisConnectionError("Redis closed the connection"
+                                               + (f" ({exc})" if exc else "")))
+
+    def fail_waiting(self, error: Exception) -> None:
+        """The connection is of no more use: every call waiting on it fails with
+        `error`."""
         self.lost = True
-        error = RedisConnectionError("Redis closed the connection"
-                                     + (f" ({exc})" if exc else ""))
         while self.waiting:
             call = self.waiting.popleft()
             if not call.done():
@@ -78,11 +82,7 @@ class Wire(asyncio.Protocol):
 
     def drop(self, error: Exception) -> None:
         """Fail every call waiting with `error` and close the connection."""
-        self.lost = True
-        while self.waiting:
-            call = self.waiting.popleft()
-            if not call.done():
-                call.set_exception(error)
+        self.fail_waiting(error)
         if self.transport is not None:
             self.transport.abort()
 

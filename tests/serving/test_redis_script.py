@@ -120,3 +120,16 @@ def test_a_password_and_a_unix_socket_in_the_url_are_used_and_a_wrong_password_f
         asyncio.run(run(server.port))
         stored = redis.Redis(port=server.port, password="s3cret", db=3).get(key)
     assert stored == b"2"
+
+
+def test_a_tls_url_whose_certificate_file_is_missing_fails_as_a_connection_error(
+        tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-ca.pem"
+
+    async def run() -> None:
+        client = ScriptClient(f"rediss://127.0.0.1:6379/0?ssl_ca_certs={missing}", SCRIPT)
+        with pytest.raises(RedisConnectionError, match="could not connect to Redis"):
+            await client.run(["test:script:x"], ["1"])
+        await client.close()
+
+    asyncio.run(run())
