@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
@@ -23,11 +23,10 @@ from serving.gateway.placement import first_done, wait_for_disconnect
 from serving.gateway.resources import Resources
 from serving.hot_settings import hot
 from serving.session import Stream
-from serving.upstream import Response, Unfinished, UpstreamError, start
+from serving.upstream import Response, UpstreamError, run_eagerly, start
 
 Headers = list[tuple[bytes, bytes]]
 UPSTREAM_MESSAGE_CHARS = 1000
-Result = TypeVar("Result")
 
 
 async def relay(resources: Resources, call: Call, stream: Stream, send: Send,
@@ -87,28 +86,39 @@ async def relay_stream(resources: Resources, call: Call, stream: Stream, send: S
     What the replica has sent already goes out at once, in the write that carries the
     head (controlplane/http_protocol.py); an answer already whole by then (a short
     completion) is relayed without a task of its own."""
-    assert call.receive is not None
     response = stream.response
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     found: dict[str, Any] = {}
     events = EventRelay(send, call, found)
-    try:
-        rest = start(relay_events(events, response))
-    except Exception as exc:  # the replica's error, raised before anything had to wait
-        settle(stream, found)
-        await end_stream(stream, send, exc)
-        return
-    if rest is None:
-        settle(stream, found)
+    pump = run_eagerly(relay_events(events, response))
+    if not pump.done():
+        await follow_relay(resources, call, pump, events)
+    # The final usage event, else (a stream the client left, cut off or broken) the
+    # usage so far on the last chunk relayed, where the engine reports it.
+    stream.usage = found.get("usage") or last_running_usage(found.get("last", b""))
+    if resources.streams.was_cut(pump):  # the key was revoked or expired mid-stream
+        response.close()
+        await send_error_event(send, "the API key was revoked or has expired; the answer "
+                                     "was cut off", "authentication_error", "api_key_revoked")
+    elif not pump.done():  # the client went away: the engine sees it and frees its cache
+        pump.cancel()
+        response.close()
+        stream.status = 499  # recorded as the client's leaving, with the tokens relayed
         stream.ended()
-        return
-    loop = asyncio.get_running_loop()
-    # Two tasks per stream, none per chunk: one relays, one waits for the client to go.
-    pump = loop.create_task(run_rest(rest))
-    watcher = loop.create_task(wait_for_disconnect(call.receive))
+    else:
+        await end_stream(stream, send, pump.exception())
+
+
+async def follow_relay(resources: Resources, call: Call, pump: asyncio.Future[None],
+                       events: EventRelay) -> None:
+    """Wait while the relay that had to wait runs in its task, until it ends or the
+    client goes; the key's streams are cut off with it if it is revoked meanwhile. Two
+    tasks per stream, none per chunk: one relays, one waits for the client to go."""
+    assert call.receive is not None
+    watcher = asyncio.get_running_loop().create_task(wait_for_disconnect(call.receive))
     key_hash = call.key.key_hash if call.key is not None else ""
     if key_hash:
-        resources.streams.add(key_hash, pump)  # cut off if the key is revoked meanwhile
+        resources.streams.add(key_hash, pump)
     try:
         await first_done(pump, watcher)
         if events.ended and not pump.done():
@@ -123,30 +133,6 @@ async def relay_stream(resources: Resources, call: Call, stream: Stream, send: S
         watcher.cancel()
         if key_hash:
             resources.streams.discard(key_hash, pump)
-    settle(stream, found)
-    if resources.streams.was_cut(pump):  # the key was revoked or expired mid-stream
-        response.close()
-        await send_error_event(send, "the API key was revoked or has expired; the answer "
-                                     "was cut off", "authentication_error", "api_key_revoked")
-    elif not pump.done():  # the client went away: the engine sees it and frees its cache
-        pump.cancel()
-        response.close()
-        stream.status = 499  # recorded as the client's leaving, with the tokens relayed
-        stream.ended()
-    else:
-        await end_stream(stream, send, pump.exception())
-
-
-async def run_rest(rest: Awaitable[Result]) -> Result:
-    """The rest of a coroutine begun outside any task that had to wait, in a task."""
-    return await rest
-
-
-def settle(stream: Stream, found: dict[str, Any]) -> None:
-    """The stream's usage: the final usage event, else (a stream the client left, cut
-    off or broken) the usage so far on the last chunk relayed, where the engine reports
-    it."""
-    stream.usage = found.get("usage") or last_running_usage(found.get("last", b""))
 
 
 async def end_stream(stream: Stream, send: Send, error: BaseException | None) -> None:
@@ -336,14 +322,10 @@ async def read_unless_gone(response: Response, receive: Receive, limit: int
                            ) -> bytes | None:
     """The whole upstream body (at most `limit` bytes), or None when the client
     disconnects first. A body already read whole needs no task to wait for it."""
-    reading_now = read_capped(response, limit)
-    try:
-        rest = reading_now.send(None)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
-    loop = asyncio.get_running_loop()
-    reading: asyncio.Task[bytes] = loop.create_task(run_rest(Unfinished(reading_now, rest)))
-    watcher = loop.create_task(wait_for_disconnect(receive))
+    reading = run_eagerly(read_capped(response, limit))
+    if reading.done():
+        return reading.result()
+    watcher = asyncio.get_running_loop().create_task(wait_for_disconnect(receive))
     try:
         await first_done(reading, watcher)
     finally:

@@ -31,14 +31,14 @@ class LiveStreams:
     has its streams cut off."""
 
     def __init__(self) -> None:
-        self.by_key: dict[str, set[asyncio.Task[None]]] = {}
-        self.cut_off: set[asyncio.Task[None]] = set()
+        self.by_key: dict[str, set[asyncio.Future[None]]] = {}
+        self.cut_off: set[asyncio.Future[None]] = set()
 
-    def add(self, key_hash: str, pump: asyncio.Task[None]) -> None:
+    def add(self, key_hash: str, pump: asyncio.Future[None]) -> None:
         """Follow a stream's relay."""
         self.by_key.setdefault(key_hash, set()).add(pump)
 
-    def discard(self, key_hash: str, pump: asyncio.Task[None]) -> None:
+    def discard(self, key_hash: str, pump: asyncio.Future[None]) -> None:
         """Forget a relay that ended."""
         mine = self.by_key.get(key_hash)
         if mine is not None:
@@ -53,7 +53,7 @@ class LiveStreams:
                 self.cut_off.add(pump)
                 pump.cancel()
 
-    def was_cut(self, pump: asyncio.Task[None]) -> bool:
+    def was_cut(self, pump: asyncio.Future[None]) -> bool:
         """Whether this relay ended because its key was revoked (asked once)."""
         if pump in self.cut_off:
             self.cut_off.discard(pump)

@@ -10,7 +10,8 @@ is what a burst of new streams queues behind.
 
 The package: `connection.py` (one keep-alive connection as an asyncio protocol, and the
 Response it hands the caller), `pool.py` (the pools, and the parsed replica URLs) and
-`eager.py` (a coroutine run at once from a socket's callback, as the relay sends).
+`eager.py` (a coroutine run at once, as far as it goes without waiting: from a socket's
+callback, as the relay sends, or before a task is made for the rest of it).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from serving.upstream.connection import (
     UpstreamError,
     UpstreamStalled,
 )
-from serving.upstream.eager import Unfinished, start
+from serving.upstream.eager import Unfinished, run_eagerly, start
 from serving.upstream.pool import CONNECT_TIMEOUT, IDLE_PER_HOST, ConnectionPool, Target, target
 
 __all__ = ["CONNECT_TIMEOUT", "HIGH_WATER", "IDLE_PER_HOST", "Connection", "ConnectionPool",
            "Response", "Sink", "Target", "Unfinished", "UpstreamError", "UpstreamStalled",
-           "start", "target"]
+           "run_eagerly", "start", "target"]

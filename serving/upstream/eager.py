@@ -4,8 +4,11 @@ must wait (a client reading slower than the replica writes) is finished in a tas
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Generator
-from typing import Any
+import asyncio
+from collections.abc import Awaitable, Coroutine, Generator
+from typing import Any, TypeVar
+
+Result = TypeVar("Result")
 
 
 class Unfinished:
@@ -54,3 +57,29 @@ def start(awaitable: Awaitable[None]) -> Awaitable[None] | None:
     except StopIteration:
         return None
     return Unfinished(awaitable, waiting_on)
+
+
+def run_eagerly(coroutine: Coroutine[Any, Any, Result]) -> asyncio.Future[Result]:
+    """Run a coroutine now, outside any task, as far as it goes without waiting: a
+    finished future when it ended there (its result or its error), else a task that runs
+    the rest (cancelling it cancels the coroutine, or closes it when the task is cancelled
+    before its first step). A short answer relayed whole this way costs no task."""
+    loop = asyncio.get_running_loop()
+    try:
+        waiting_on = coroutine.send(None)
+    except StopIteration as stop:
+        finished: asyncio.Future[Result] = loop.create_future()
+        finished.set_result(stop.value)
+        return finished
+    except Exception as exc:
+        failed: asyncio.Future[Result] = loop.create_future()
+        failed.set_exception(exc)
+        return failed
+    unfinished = Unfinished(coroutine, waiting_on)
+    task = loop.create_task(_rest(unfinished))
+    task.add_done_callback(lambda done: unfinished.close() if done.cancelled() else None)
+    return task
+
+
+async def _rest(unfinished: Unfinished) -> Any:
+    return await unfinished
