@@ -92,5 +92,5 @@ class Session:
             resources.router.succeeded(stream.replica.name)
         charges = tokens_owed(call, stream.status, stream.usage)
         if charges:
-            resources.spawn(resources.charge(charges))
+            resources.owe(charges)
         record(resources.usage, call, stream.replica.name, stream.status, stream.usage)

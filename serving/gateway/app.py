@@ -74,6 +74,11 @@ class Gateway:
 
     # What tests and the shutdown path read of the current loop's resources.
     @property
+    def current_resources(self) -> Resources | None:
+        """The resources of the loop that served last (none before a first request)."""
+        return self._resources
+
+    @property
     def admission(self) -> Any:
         """The priority queue of the loop that served last."""
         return self._resources.admission if self._resources is not None else None

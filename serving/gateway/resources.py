@@ -6,6 +6,12 @@ Connections, the usage writer and an asyncio Redis client belong to the loop the
 made in (tests run several loops one after the other), so a new loop gets new ones. The
 rate limiter and the Redis client follow REDIS_URL, read per request so a changed setting
 takes effect: budgets are shared through Redis when it is configured, else kept here.
+
+The tokens an answer owes its key's budgets once it has ended (`owe`) are charged at
+once to a budget kept here; with Redis they are summed per bucket and sent together,
+one script call for every answer that ended within CHARGE_BATCH_SECONDS, not one each
+(the limits are per minute: a charge a few milliseconds later changes nothing a client
+can see). What is owed when the server stops is sent before it exits (`settle`).
 """
 
 from __future__ import annotations
@@ -20,10 +26,14 @@ from serving.hot_settings import hot
 from serving.ratelimit import Limit, Limiter, MemoryLimiter, RedisLimiter
 from serving.redis_clients import for_event_loop
 from serving.router import Router
-from serving.upstream import ConnectionPool
+from serving.upstream import ConnectionPool, run_eagerly
 from serving.usage import UsageWriter
 
 logger = logging.getLogger("serving.gateway")
+# How long the tokens owed to budgets in Redis are summed before they are sent, and the
+# most buckets one script call carries.
+CHARGE_BATCH_SECONDS = 0.02
+CHARGE_BATCH_BUCKETS = 64
 
 
 class LiveStreams:
@@ -75,7 +85,7 @@ class Resources:
         self.redis_url = ""
         self.redis: Any = None  # the loop's asyncio Redis client, while REDIS_URL is set
         self.limiter: Limiter = MemoryLimiter()
-        self.tasks: set[asyncio.Task[Any]] = set()
+        self.tasks: set[asyncio.Future[Any]] = set()
         self.background: dict[str, asyncio.Task[None]] = {}
         self.work = background_work()
         # What the load watcher last gave the queue slots from (the route table and the
@@ -83,6 +93,9 @@ class Resources:
         # above 0 (serving/gateway/watcher.py, refresh_capacity).
         self.capacity_seen: tuple[Any, frozenset[str]] | None = None
         self.estimated: set[str] = set()
+        # Tokens owed to budgets in Redis, summed per bucket until the timer sends them.
+        self.owed: dict[str, Limit] = {}
+        self.owed_timer: asyncio.TimerHandle | None = None
 
     def follow_settings(self) -> None:
         """Take a changed REDIS_URL: a new client, and budgets kept where it says."""
@@ -108,10 +121,45 @@ class Resources:
                 self.background[name] = self.loop.create_task(work(self))
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run `work` beside the request, holding on to it until it ends."""
-        task = self.loop.create_task(work)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        """Run `work` beside the request, holding on to it until it ends: at once as far
+        as it goes without waiting, the rest in a task (none when it did not wait)."""
+        task = run_eagerly(work)
+        if not task.done():
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def owe(self, charges: list[Limit]) -> None:
+        """Charge the tokens an ended answer owes (more, or some given back): at once to
+        a budget kept here, within CHARGE_BATCH_SECONDS with others to one in Redis."""
+        if not isinstance(self.limiter, RedisLimiter):
+            self.spawn(self.charge(charges))  # nothing to wait for: no task
+            return
+        owed = self.owed
+        for limit in charges:
+            known = owed.get(limit.bucket)
+            owed[limit.bucket] = limit if known is None else limit._replace(
+                cost=known.cost + limit.cost)
+        if self.owed_timer is None:
+            self.owed_timer = self.loop.call_later(CHARGE_BATCH_SECONDS, self.send_owed)
+
+    def send_owed(self) -> None:
+        """Send the summed charges, CHARGE_BATCH_BUCKETS buckets a script call."""
+        if self.owed_timer is not None:
+            self.owed_timer.cancel()
+            self.owed_timer = None
+        owed, self.owed = [limit for limit in self.owed.values() if limit.cost], {}
+        for start in range(0, len(owed), CHARGE_BATCH_BUCKETS):
+            self.spawn(self.charge(owed[start:start + CHARGE_BATCH_BUCKETS]))
+
+    async def settle(self, timeout: float) -> None:
+        """Send what is owed now and wait (at most `timeout` seconds) for every charge,
+        refund and other work spawned beside the requests: the server is stopping."""
+        self.send_owed()
+        if self.tasks:
+            _done, pending = await asyncio.wait(set(self.tasks), timeout=timeout)
+            if pending:
+                logger.warning("%d rate-limit charges or other gateway tasks did not end "
+                               "within %.0f s of stopping", len(pending), timeout)
 
     async def charge(self, charges: list[Limit]) -> None:
         """Charge tokens used to the rate limits (logged, not raised, on failure)."""

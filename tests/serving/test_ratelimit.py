@@ -179,3 +179,62 @@ def test_the_buckets_of_a_key_and_its_team() -> None:
     # A 9000-token prompt was charged 5000 at admission: the rest is owed afterwards.
     assert [lim.cost for lim in token_charges(info, 10, 9000, 9000)] == [4010]
     assert key_limits(KeyInfo(8, "free", "inference", ()), 10) == []
+
+
+def test_tokens_owed_after_answers_reach_redis_summed_in_one_call_and_none_lost_at_stop(
+        settings: Any) -> None:
+    """Answers ending together owe their tokens to a Redis budget: the charges are summed
+    per bucket and sent in one script call (not one per answer), the budget then holds
+    their sum; what is owed when the server stops is sent by `settle`, not dropped."""
+    import redis
+
+    from serving.gateway.resources import CHARGE_BATCH_SECONDS, LiveStreams, Resources
+    from serving.router import Router
+    from tests.services import private_redis
+
+    def script_calls(url: str) -> int:
+        stats = redis.Redis.from_url(url).info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+                   for name in ("evalsha", "eval"))
+
+    async def run(url: str) -> None:
+        resources = Resources(asyncio.get_running_loop(), Router(), LiveStreams())
+        resources.follow_settings()
+        key_tpm, team_tpm = bucket(), bucket()
+        limiter = resources.limiter
+        assert isinstance(limiter, RedisLimiter)
+        await limiter.admit([Limit("tokens", bucket(), 60_000, 0)])  # the script loaded
+        calls_before = script_calls(url)
+        for completion in (100, 250, -50, 700):  # four answers ending in one moment
+            resources.owe([Limit("tokens", key_tpm, 60_000, completion),
+                           Limit("tokens", team_tpm, 60_000, completion)])
+        # The summed charge lands (within the batch window and a round trip).
+        deadline = asyncio.get_running_loop().time() + 5
+        used: list[float] = []
+        checks = 0
+        while asyncio.get_running_loop().time() < deadline:
+            checks += 1
+            verdict = await limiter.admit([Limit("tokens", key_tpm, 60_000, 0),
+                                           Limit("tokens", team_tpm, 60_000, 0)],
+                                          commit=False)
+            used = verdict.used
+            if used and min(used) > 0:
+                break
+            await asyncio.sleep(CHARGE_BATCH_SECONDS)
+        # 1,000 tokens at 60,000 a minute: one second of budget in use in each bucket
+        assert used == [pytest.approx(1.0, abs=0.05)] * 2
+        charges_sent = script_calls(url) - calls_before - checks
+        assert charges_sent <= 1, f"{charges_sent} script calls for four answers' charges"
+
+        # Owed at the moment the server stops: sent by settle, before the timer fires.
+        late = bucket()
+        resources.owe([Limit("tokens", late, 60_000, 3_000)])
+        await resources.settle(5)
+        assert not resources.owed and resources.owed_timer is None
+        peek = await limiter.admit([Limit("tokens", late, 60_000, 0)], commit=False)
+        assert peek.used == [pytest.approx(3.0, abs=0.05)]
+        await limiter.close()
+
+    with private_redis() as server:
+        settings.REDIS_URL = server.url
+        asyncio.run(run(server.url))

@@ -221,6 +221,7 @@ class Command(BaseCommand):
             # returned: write the usage records they left buffered, then stop the
             # controllers too. Replica processes keep running and are adopted at the next
             # start. Leaving this block re-raises the signal, as uvicorn does.
+            await settle_gateway(USAGE_FLUSH_ON_STOP_SECONDS)
             await flush_usage(USAGE_FLUSH_ON_STOP_SECONDS)
             stop.set()
             await asyncio.gather(*tasks[1:], return_exceptions=True)
@@ -260,6 +261,16 @@ def waking_handle_exit(server: Any, sig: int, frame: Any) -> None:
     loop = getattr(server, "fleet_loop", None)
     if loop is not None and not loop.is_closed():
         loop.call_soon_threadsafe(ring, server)
+
+
+async def settle_gateway(timeout: float) -> None:
+    """Send the tokens the last answers owe their budgets, and wait for the charges
+    still under way (serving/gateway/resources.py), giving up after `timeout` seconds."""
+    from serving.gateway import gateway
+
+    resources = gateway.current_resources
+    if resources is not None and resources.loop is asyncio.get_running_loop():
+        await resources.settle(timeout)
 
 
 async def flush_usage(timeout: float) -> None:
