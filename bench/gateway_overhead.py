@@ -318,6 +318,16 @@ class GatewayOnly(ControlPlane):
         super().stop()
 
 
+class GatewayWorkers(ControlPlane):
+    """`manage.py serve --workers N`: N gateway worker processes on one port, the
+    controllers once in their parent, sharing a Redis server (as --workers requires). Its
+    CPU figures are the whole process tree's: parent, workers and the collector's helper."""
+
+    def __init__(self, workers: int, redis_url: str, **extra_env: str) -> None:
+        self.serve_options = ("--workers", str(workers))
+        super().__init__(REDIS_URL=redis_url, **extra_env)
+
+
 def start_server_in(root: Path, env: dict[str, str], port: int) -> subprocess.Popen[str]:
     """`manage.py serve` of another checkout, once it answers /healthz."""
     process = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port)],
@@ -480,15 +490,28 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
 def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
     """This checkout's gateway against another's, in interleaved rounds."""
     other_root = Path(options.compare_with).resolve()
-    rounds = options.rounds or (2 if options.quick else 4)
-    names = options.loads or ["paced-1", "paced-16", "unpaced-64"]
     pythons: dict[str, str] = {}
     if options.local:  # a stand-in interpreter per pace, for both control planes
         for model, interval in (("fake", 10.0), ("fast", 0.0)):
             folder = Path(tempfile.mkdtemp(prefix=f"gateway-bench-{model}-"))
             pythons[model] = stand_in_python(folder, token_interval_ms=interval)
         extra_env = {**extra_env, "LOCAL_BACKEND_PYTHONS": ",".join(pythons.values())}
-    products = [ControlPlane(**extra_env), OtherCheckout(other_root, extra_env)]
+    envs = [extra_env, extra_env]
+    with contextlib.ExitStack() as stack:
+        if options.redis:  # a private Redis, a database for each control plane
+            from tests.services import private_redis
+
+            url = stack.enter_context(private_redis()).url.removesuffix("/0")
+            envs = [{**extra_env, "REDIS_URL": f"{url}/{db}"} for db in (1, 2)]
+        compare_two(options, other_root, envs, pythons)
+
+
+def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[str, str]],
+                pythons: dict[str, str]) -> None:
+    """The body of compare_checkouts: each control plane with its own settings."""
+    rounds = options.rounds or (2 if options.quick else 4)
+    names = options.loads or ["paced-1", "paced-16", "unpaced-64"]
+    products = [ControlPlane(**envs[0]), OtherCheckout(other_root, envs[1])]
     processes: list[subprocess.Popen[bytes]] = []
     summary: list[str] = []
     try:
@@ -527,7 +550,8 @@ def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) ->
         for process in processes:
             process.kill()
     print(f"gateway overhead against {other_root}"
-          f"{' (local replicas)' if options.local else ''}: " + "; ".join(summary))
+          f"{' (local replicas)' if options.local else ''}"
+          f"{' (Redis)' if options.redis else ''}: " + "; ".join(summary))
 
 
 def router_executable(folder: Path) -> Path:
@@ -578,12 +602,18 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
         product = ControlPlane(**extra_env)
         stack.callback(product.stop)
         alone: GatewayOnly | None = None
-        if not options.no_gateway_only:
+        workers: GatewayWorkers | None = None
+        if not options.no_gateway_only or options.workers:
             from tests.services import private_redis
 
             redis_server = stack.enter_context(private_redis())
+        if not options.no_gateway_only:
             alone = GatewayOnly(redis_server.url, **extra_env)
             stack.callback(alone.stop)
+        if options.workers:  # a database of its own on the same Redis server
+            workers = GatewayWorkers(options.workers, redis_server.url.removesuffix("/0") + "/1",
+                                     **extra_env)
+            stack.callback(workers.stop)
         processes: list[subprocess.Popen[bytes]] = []
         stack.callback(end_processes, processes)
         results: list[tuple[Load, list[Endpoint], list[Side]]] = []
@@ -591,7 +621,8 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
         unpaced, unpaced_url = start_engine(0.0, "fast")
         processes += [paced, unpaced]
         endpoints = [Endpoint("direct", {"fake": paced_url, "fast": unpaced_url}, None, {})]
-        for label, plane in (("gateway", product), ("gateway alone", alone)):
+        for label, plane in (("gateway", product), ("gateway alone", alone),
+                             (f"gateway, {options.workers} workers", workers)):
             if plane is None:
                 continue
             plane.route("fake", paced_url)
@@ -848,6 +879,9 @@ def main() -> None:
     parser.add_argument("--no-gateway-only", action="store_true",
                         help="leave out the gateway alone in its process (serve "
                         "--no-controllers beside run_controllers, on a private Redis)")
+    parser.add_argument("--workers", type=int, default=0, metavar="N",
+                        help="also `serve --workers N` (N gateway processes on one port, "
+                        "the controllers once; on the private Redis), judged like the others")
     parser.add_argument("--router-env", default=str(ROUTER_ENV), metavar="PATH",
                         help="the benchmark's own environment holding vllm-router and "
                         "py-spy, created there on first use (default %(default)s)")
@@ -864,12 +898,19 @@ def main() -> None:
                         help="a setting for the control plane under test")
     parser.add_argument("--compare-with", metavar="PATH", help="another checkout of the "
                         "project: its gateway against this one's, in interleaved rounds")
+    parser.add_argument("--redis", action="store_true", help="with --compare-with: each "
+                        "control plane with REDIS_URL (a database each on a private Redis): "
+                        "rate limits and the route table in Redis, as for the gateway alone")
     parser.add_argument("--local", action="store_true", help="with --compare-with: the "
                         "engines are replicas each control plane runs (their chunks carry "
                         "the usage so far, which the gateway takes out)")
     options = parser.parse_args()
     if options.rounds is not None and options.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if options.workers == 1 or options.workers < 0:
+        parser.error("--workers takes 2 or more")
+    if options.redis and not options.compare_with:
+        parser.error("--redis goes with --compare-with")
     if options.local and not options.compare_with:
         parser.error("--local goes with --compare-with")
     extra_env = dict(item.split("=", 1) for item in options.env)
