@@ -87,6 +87,7 @@ class Resources:
         self.limiter: Limiter = MemoryLimiter()
         self.tasks: set[asyncio.Future[Any]] = set()
         self.background: dict[str, asyncio.Task[None]] = {}
+        self.background_running = False  # every one of them started and none ended since
         self.work = background_work()
         # What the load watcher last gave the queue slots from (the route table and the
         # replicas sitting out), and the deployments whose estimated wait it last set
@@ -115,10 +116,18 @@ class Resources:
 
         The place for a per-loop background task is `background_work()`: each entry is
         called with these resources and runs for the life of the loop."""
+        if self.background_running:  # every request asks: one look when nothing ended
+            return
         for name, work in self.work.items():
             task = self.background.get(name)
             if task is None or task.done():
-                self.background[name] = self.loop.create_task(work(self))
+                self.background[name] = task = self.loop.create_task(work(self))
+                task.add_done_callback(self.background_ended)
+        self.background_running = True
+
+    def background_ended(self, _task: asyncio.Task[None]) -> None:
+        """A background task ended (it should not): the next request starts it again."""
+        self.background_running = False
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run `work` beside the request, holding on to it until it ends: at once as far
