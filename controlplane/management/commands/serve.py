@@ -218,11 +218,13 @@ class Command(BaseCommand):
                 tasks.append(asyncio.create_task(run_controllers(stop)))
             await tasks[0]
             # uvicorn handled SIGINT/SIGTERM, let the requests in flight finish and
-            # returned: write the usage records they left buffered, then stop the
-            # controllers too. Replica processes keep running and are adopted at the next
-            # start. Leaving this block re-raises the signal, as uvicorn does.
-            await settle_gateway(USAGE_FLUSH_ON_STOP_SECONDS)
-            await flush_usage(USAGE_FLUSH_ON_STOP_SECONDS)
+            # returned: write the usage records they left buffered and send the tokens
+            # they owe to budgets in Redis (both within one allowance: the manifests'
+            # grace period counts on it), then stop the controllers too. Replica
+            # processes keep running and are adopted at the next start. Leaving this
+            # block re-raises the signal, as uvicorn does.
+            await asyncio.gather(settle_gateway(USAGE_FLUSH_ON_STOP_SECONDS),
+                                 flush_usage(USAGE_FLUSH_ON_STOP_SECONDS))
             stop.set()
             await asyncio.gather(*tasks[1:], return_exceptions=True)
 
