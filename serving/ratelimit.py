@@ -117,6 +117,10 @@ class MemoryLimiter:
 
     async def charge(self, limits: list[Limit]) -> None:
         """Charge the limits whatever their room."""
+        self.charge_now(limits)
+
+    def charge_now(self, limits: list[Limit]) -> None:
+        """The same, as a plain call (nothing here waits)."""
         now = time.time()
         for limit in limits:
             self.buckets[limit.bucket] = _step(self.buckets.get(limit.bucket), now, limit)

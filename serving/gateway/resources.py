@@ -26,7 +26,7 @@ from serving.hot_settings import hot
 from serving.ratelimit import Limit, Limiter, MemoryLimiter, RedisLimiter
 from serving.redis_clients import for_event_loop
 from serving.router import Router
-from serving.upstream import ConnectionPool, run_eagerly
+from serving.upstream import ConnectionPool
 from serving.usage import UsageWriter
 
 logger = logging.getLogger("serving.gateway")
@@ -85,7 +85,7 @@ class Resources:
         self.redis_url = ""
         self.redis: Any = None  # the loop's asyncio Redis client, while REDIS_URL is set
         self.limiter: Limiter = MemoryLimiter()
-        self.tasks: set[asyncio.Future[Any]] = set()
+        self.tasks: set[asyncio.Task[Any]] = set()
         self.background: dict[str, asyncio.Task[None]] = {}
         self.background_running = False  # every one of them started and none ended since
         self.work = background_work()
@@ -130,18 +130,17 @@ class Resources:
         self.background_running = False
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run `work` beside the request, holding on to it until it ends: at once as far
-        as it goes without waiting, the rest in a task (none when it did not wait)."""
-        task = run_eagerly(work)
-        if not task.done():
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+        """Run `work` beside the request, holding on to it until it ends."""
+        task = self.loop.create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def owe(self, charges: list[Limit]) -> None:
         """Charge the tokens an ended answer owes (more, or some given back): at once to
         a budget kept here, within CHARGE_BATCH_SECONDS with others to one in Redis."""
-        if not isinstance(self.limiter, RedisLimiter):
-            self.spawn(self.charge(charges))  # nothing to wait for: no task
+        limiter = self.limiter
+        if isinstance(limiter, MemoryLimiter):  # a plain call: no task
+            limiter.charge_now(charges)
             return
         owed = self.owed
         for limit in charges:

@@ -63,7 +63,10 @@ def run_eagerly(coroutine: Coroutine[Any, Any, Result]) -> asyncio.Future[Result
     """Run a coroutine now, outside any task, as far as it goes without waiting: a
     finished future when it ended there (its result or its error), else a task that runs
     the rest (cancelling it cancels the coroutine, or closes it when the task is cancelled
-    before its first step). A short answer relayed whole this way costs no task."""
+    before its first step). A short answer relayed whole this way costs no task.
+
+    Until it first waits, the coroutine runs in the caller's task: it must not rely on
+    `asyncio.current_task()` there (`asyncio.timeout` would cancel the caller)."""
     loop = asyncio.get_running_loop()
     try:
         waiting_on = coroutine.send(None)
