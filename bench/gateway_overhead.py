@@ -20,7 +20,10 @@ gateway, router, direct, ...) so every path sees the same machine. Per path and 
 prints TTFT p50/p99, the added TTFT against direct, the throughput ratio to direct and the
 CPU time per relayed event of the relaying process (psutil: user + system seconds of the
 process, every thread, over the events the client received in that path's rounds; the
-least noisy figure on a shared machine), also net of the process's CPU with no traffic;
+least noisy figure on a shared machine), also net of the process's CPU with no traffic,
+and each round's burst: from its start until every stream had its first token, with how
+many cores the whole machine kept busy meanwhile (whether a burst's TTFT waits for a full
+machine or for one busy process);
 then one markdown table and, on the last lines, each target of the gateway against the
 router (added TTFT p50 within the router's + 2 ms, throughput ratio at least the router's,
 CPU per event at most the router's) met or missed.
@@ -90,6 +93,10 @@ class Run:
     tokens: int
     seconds: float
     errors: int
+    # The burst: from the start until every stream had its first token, in seconds, and
+    # the CPU seconds the whole machine (every process, every core) spent meanwhile.
+    burst_seconds: float = 0.0
+    burst_busy: float = 0.0
 
     def p(self, q: float) -> float:
         if not self.ttfts:
@@ -110,12 +117,20 @@ async def load(url: str, model: str, streams: int, tokens: int, key: str | None,
     ttfts: list[float] = []
     counted = 0
     errors = 0
+    firsts = 0  # streams whose first request has had its first token (or failed)
+    burst: list[float] = []  # when the last of them came, and the machine's busy CPU
     connector = aiohttp.TCPConnector(limit=0)
+
+    def stream_started() -> None:
+        nonlocal firsts
+        firsts += 1
+        if firsts == streams:
+            burst.extend((time.perf_counter(), machine_busy_seconds()))
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def one() -> None:
             nonlocal counted, errors
-            for _ in range(rounds):
+            for request in range(rounds):
                 started = time.perf_counter()
                 first = None
                 try:
@@ -134,17 +149,33 @@ async def load(url: str, model: str, streams: int, tokens: int, key: str | None,
                                 continue
                             if first is None:
                                 first = time.perf_counter() - started
+                                if request == 0:
+                                    stream_started()
                             if b'"choices":[]' not in line:
                                 counted += 1
                 except aiohttp.ClientError:
                     errors += 1
+                finally:
+                    if request == 0 and first is None:  # failed: it counts as started
+                        stream_started()
                 if first is not None:
                     ttfts.append(first)
 
-        started = time.perf_counter()
+        started, busy = time.perf_counter(), machine_busy_seconds()
         await asyncio.gather(*(one() for _ in range(streams)))
         seconds = time.perf_counter() - started
-    return Run(ttfts, counted, seconds, errors)
+    burst_seconds = burst[0] - started if burst else 0.0
+    return Run(ttfts, counted, seconds, errors, burst_seconds,
+               burst[1] - busy if burst else 0.0)
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent on anything but idling, every core."""
+    import psutil
+
+    times = psutil.cpu_times()  # (guest time is counted in user time already)
+    return float(sum(getattr(times, name, 0.0)
+                     for name in ("user", "nice", "system", "irq", "softirq")))
 
 
 def compare(label: str, direct_url: str, gateway_url: str, model: str, streams: int,
@@ -426,6 +457,18 @@ class Side:
         seconds = sum(run.seconds for run in self.runs)
         return max(0.0, self.cpu - self.idle * seconds) / max(1, self.events) * 1e6
 
+    @property
+    def burst_cores(self) -> float:
+        """Cores the whole machine kept busy, on average, from each round's start until
+        every stream had its first token (the burst the TTFT is measured over)."""
+        seconds = sum(run.burst_seconds for run in self.runs)
+        return sum(run.burst_busy for run in self.runs) / seconds if seconds else 0.0
+
+    @property
+    def burst_ms(self) -> float:
+        """The burst's mean length, in ms."""
+        return sum(run.burst_seconds for run in self.runs) / max(1, len(self.runs)) * 1e3
+
     def ttft(self, q: float) -> float:
         """A TTFT percentile over every round, in ms."""
         return Run([t for run in self.runs for t in run.ttfts], 0, 1, 0).p(q)
@@ -686,7 +729,8 @@ def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds
               f"{side.rate / direct.rate:.3f}, "
               + (f"{side.cpu_per_event_us:.1f} us CPU/event "
                  f"({side.net_cpu_per_event_us:.1f} net of idle), " if endpoint.pids else "")
-              + f"errors {side.errors}", flush=True)
+              + f"burst {side.burst_ms:.1f} ms with the machine {side.burst_cores:.2f} of "
+              f"{os.cpu_count()} cores busy, errors {side.errors}", flush=True)
 
 
 def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: int) -> None:
