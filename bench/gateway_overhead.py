@@ -39,11 +39,13 @@ as for any replica the control plane runs; external deployments skip that work.
 
 With --profile PATH, py-spy (from the benchmark's environment) samples the gateway process
 while 128 paced streams go through it, writes the raw collapsed stacks to PATH and prints
-where the time goes (bench/profile_summary.py).
+where the time goes (bench/profile_summary.py); with --profile-idle, the gateway with no
+traffic instead (its background: controllers, collector, load watcher).
 
     .venv/bin/python bench/gateway_overhead.py [--loads NAME,...] [--rounds N] [--quick]
-        [--no-router] [--no-gateway-only] [--vllm] [--compare-with PATH [--local]]
-        [--profile PATH [--profile-native]]
+        [--no-router] [--no-gateway-only] [--workers N] [--vllm]
+        [--compare-with PATH [--local] [--redis]]
+        [--profile PATH [--profile-native | --profile-idle]]
 """
 
 from __future__ import annotations
@@ -62,13 +64,13 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.profile_summary import summarize_profile  # noqa: E402
+from bench.stream_load import Run, load  # noqa: E402  (the other benchmarks import it here)
 from fakes.vllm_cli import stand_in_python  # noqa: E402
 from tests.processes import (  # noqa: E402
     end_replicas,
@@ -85,97 +87,6 @@ ROUTER_VERSION = "0.1.17"
 # million tokens a minute), never refusing, always checked.
 KEY_RPM, KEY_TPM = 100_000_000, 2_000_000_000
 ROUTER_ENV = ROOT / ".bench" / "router-venv"
-
-
-@dataclass
-class Run:
-    ttfts: list[float]
-    tokens: int
-    seconds: float
-    errors: int
-    # The burst: from the start until every stream had its first token, in seconds, and
-    # the CPU seconds the whole machine (every process, every core) spent meanwhile.
-    burst_seconds: float = 0.0
-    burst_busy: float = 0.0
-
-    def p(self, q: float) -> float:
-        if not self.ttfts:
-            return float("nan")
-        ordered = sorted(self.ttfts)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds
-
-
-async def load(url: str, model: str, streams: int, tokens: int, key: str | None,
-               rounds: int) -> Run:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    body = {"model": model, "prompt": "Count with me:", "max_tokens": tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
-    ttfts: list[float] = []
-    counted = 0
-    errors = 0
-    firsts = 0  # streams whose first request has had its first token (or failed)
-    burst: list[float] = []  # when the last of them came, and the machine's busy CPU
-    connector = aiohttp.TCPConnector(limit=0)
-
-    def stream_started() -> None:
-        nonlocal firsts
-        firsts += 1
-        if firsts == streams:
-            burst.extend((time.perf_counter(), machine_busy_seconds()))
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def one() -> None:
-            nonlocal counted, errors
-            for request in range(rounds):
-                started = time.perf_counter()
-                first = None
-                try:
-                    async with session.post(f"{url}/v1/completions", json=body,
-                                            headers=headers) as response:
-                        if response.status != 200:
-                            errors += 1
-                            if errors == 1:
-                                print(f"{url}: HTTP {response.status} "
-                                      f"{(await response.read())[:300]!r}", flush=True)
-                            else:
-                                await response.read()
-                            continue
-                        async for line in response.content:
-                            if not line.startswith(b"data: {"):
-                                continue
-                            if first is None:
-                                first = time.perf_counter() - started
-                                if request == 0:
-                                    stream_started()
-                            if b'"choices":[]' not in line:
-                                counted += 1
-                except aiohttp.ClientError:
-                    errors += 1
-                finally:
-                    if request == 0 and first is None:  # failed: it counts as started
-                        stream_started()
-                if first is not None:
-                    ttfts.append(first)
-
-        started, busy = time.perf_counter(), machine_busy_seconds()
-        await asyncio.gather(*(one() for _ in range(streams)))
-        seconds = time.perf_counter() - started
-    burst_seconds = burst[0] - started if burst else 0.0
-    return Run(ttfts, counted, seconds, errors, burst_seconds,
-               burst[1] - busy if burst else 0.0)
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine has spent on anything but idling, every core."""
-    import psutil
-
-    times = psutil.cpu_times()  # (guest time is counted in user time already)
-    return float(sum(getattr(times, name, 0.0)
-                     for name in ("user", "nice", "system", "irq", "softirq")))
 
 
 def compare(label: str, direct_url: str, gateway_url: str, model: str, streams: int,
@@ -357,6 +268,24 @@ class GatewayWorkers(ControlPlane):
     def __init__(self, workers: int, redis_url: str, **extra_env: str) -> None:
         self.serve_options = ("--workers", str(workers))
         super().__init__(REDIS_URL=redis_url, **extra_env)
+
+    def route(self, name: str, engine_url: str) -> None:
+        super().route(name, engine_url)
+        wait_routed_by_every_worker(self, name)
+
+
+def wait_routed_by_every_worker(plane: ControlPlane, name: str) -> None:
+    """Until 20 fresh connections in a row (spread over the workers by the kernel) find
+    `name` routable: each worker takes the route table from Redis on its own."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if all(any(m["id"] == name and m["ready_replicas"] for m in httpx.get(
+                f"{plane.url}/v1/models", timeout=5, headers={
+                    "Authorization": f"Bearer {plane.key}"}).json()["data"])
+               for _ in range(20)):
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"deployment {name} not routed by every worker")
 
 
 def start_server_in(root: Path, env: dict[str, str], port: int) -> subprocess.Popen[str]:
@@ -544,8 +473,8 @@ def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) ->
         if options.redis:  # a private Redis, a database for each control plane
             from tests.services import private_redis
 
-            url = stack.enter_context(private_redis()).url.removesuffix("/0")
-            envs = [{**extra_env, "REDIS_URL": f"{url}/{db}"} for db in (1, 2)]
+            server = stack.enter_context(private_redis())
+            envs = [{**extra_env, "REDIS_URL": server.database_url(db)} for db in (1, 2)]
         compare_two(options, other_root, envs, pythons)
 
 
@@ -644,19 +573,7 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
     with contextlib.ExitStack() as stack:
         product = ControlPlane(**extra_env)
         stack.callback(product.stop)
-        alone: GatewayOnly | None = None
-        workers: GatewayWorkers | None = None
-        if not options.no_gateway_only or options.workers:
-            from tests.services import private_redis
-
-            redis_server = stack.enter_context(private_redis())
-        if not options.no_gateway_only:
-            alone = GatewayOnly(redis_server.url, **extra_env)
-            stack.callback(alone.stop)
-        if options.workers:  # a database of its own on the same Redis server
-            workers = GatewayWorkers(options.workers, redis_server.url.removesuffix("/0") + "/1",
-                                     **extra_env)
-            stack.callback(workers.stop)
+        alone, workers = other_gateways(options, extra_env, stack)
         processes: list[subprocess.Popen[bytes]] = []
         stack.callback(end_processes, processes)
         results: list[tuple[Load, list[Endpoint], list[Side]]] = []
@@ -702,6 +619,26 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
 
 
 ROUTER = "vllm-router"
+
+
+def other_gateways(options: argparse.Namespace, extra_env: dict[str, str],
+                   stack: contextlib.ExitStack) -> tuple[GatewayOnly | None,
+                                                         GatewayWorkers | None]:
+    """The gateway alone (unless --no-gateway-only) and `serve --workers N` (with
+    --workers), each with a database of its own on one private Redis, stopped by `stack`."""
+    if options.no_gateway_only and not options.workers:
+        return None, None
+    from tests.services import private_redis
+
+    redis_server = stack.enter_context(private_redis())
+    alone = workers = None
+    if not options.no_gateway_only:
+        alone = GatewayOnly(redis_server.database_url(0), **extra_env)
+        stack.callback(alone.stop)
+    if options.workers:
+        workers = GatewayWorkers(options.workers, redis_server.database_url(1), **extra_env)
+        stack.callback(workers.stop)
+    return alone, workers
 
 
 def end_processes(processes: list[subprocess.Popen[bytes]]) -> None:
@@ -880,6 +817,35 @@ def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> N
     print(summarize_profile(Path(options.profile), options.profile_seconds))
 
 
+def profile_idle(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
+    """py-spy on the gateway process with no traffic at all (the embedded controllers,
+    collector and load watcher, two external deployments of fake engines routed): every
+    thread's active stacks, 1,000 a second for --profile-seconds, into --profile; then its
+    CPU over the window and where the time goes."""
+    py_spy = router_executable(Path(options.router_env)).parent / "py-spy"
+    product = ControlPlane(**extra_env)
+    engines: list[subprocess.Popen[bytes]] = []
+    try:
+        for model, interval in (("fake", 10.0), ("fast", 0.0)):
+            engine, engine_url = start_engine(interval, model)
+            engines.append(engine)
+            product.route(model, engine_url)
+        time.sleep(10)  # past the first passes that follow the routes' creation
+        gateway = Endpoint("gateway", {}, None, {"fake": product.process.pid})
+        before, started = gateway.cpu_seconds("fake"), time.monotonic()
+        subprocess.run([str(py_spy), "record", "--pid", str(product.process.pid),
+                        "--duration", str(options.profile_seconds), "--rate", "1000",
+                        "--format", "raw", "--threads", "--nonblocking",
+                        "--output", options.profile], check=True, stdout=subprocess.DEVNULL)
+        busy = (gateway.cpu_seconds("fake") - before) / (time.monotonic() - started)
+    finally:
+        product.stop()
+        for engine in engines:
+            engine.kill()
+    print(f"idle: gateway process CPU while sampled: {busy:.2%} of one core")
+    print(summarize_profile(Path(options.profile), options.profile_seconds, 1000))
+
+
 def profile_load(text: str) -> Load:
     """`--profile-load (paced|unpaced)-STREAMS[xTOKENS]`, e.g. paced-128 or unpaced-128x1."""
     match = re.fullmatch(r"(paced|unpaced)-(\d+)(?:x(\d+))?", text.strip())
@@ -936,6 +902,8 @@ def main() -> None:
     parser.add_argument("--profile-load", type=profile_load, default=profile_load("paced-128"),
                         metavar="paced-N|unpaced-N[xTOKENS]", help="with --profile: the load "
                         "(default paced-128; unpaced-128x1 is nearly all per-request work)")
+    parser.add_argument("--profile-idle", action="store_true", help="with --profile: the "
+                        "gateway with no traffic (its background), sampled 1,000 a second")
     parser.add_argument("--profile-native", action="store_true", help="with --profile: C "
                         "frames too (uvloop, the interpreter); pauses the gateway per sample")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
@@ -953,6 +921,8 @@ def main() -> None:
         parser.error("--rounds must be at least 1")
     if options.workers == 1 or options.workers < 0:
         parser.error("--workers takes 2 or more")
+    if options.profile_idle and not options.profile:
+        parser.error("--profile-idle goes with --profile")
     if options.redis and not options.compare_with:
         parser.error("--redis goes with --compare-with")
     if options.local and not options.compare_with:
@@ -960,6 +930,8 @@ def main() -> None:
     extra_env = dict(item.split("=", 1) for item in options.env)
     if options.compare_with:
         compare_checkouts(options, extra_env)
+    elif options.profile and options.profile_idle:
+        profile_idle(options, extra_env)
     elif options.profile:
         profile_gateway(options, extra_env)
     else:

@@ -27,7 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gateway_overhead import ControlPlane, Side, load, start_engine  # noqa: E402
+from gateway_overhead import (  # noqa: E402
+    ControlPlane,
+    Side,
+    load,
+    start_engine,
+    wait_routed_by_every_worker,
+)
 
 from tests.services import private_redis  # noqa: E402
 
@@ -54,22 +60,9 @@ class Server(ControlPlane):
 
 
     def route(self, name: str, engine_url: str) -> None:
-        """Route the engine, and wait until 20 fresh connections in a row (spread over
-        the workers) find it: each worker takes the route table from Redis on its own."""
-        import time
-
-        import httpx
-
+        """Route the engine, and wait until every worker routes it."""
         super().route(name, engine_url)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if all(any(m["id"] == name and m["ready_replicas"] for m in httpx.get(
-                    f"{self.url}/v1/models", timeout=5, headers={
-                        "Authorization": f"Bearer {self.key}"}).json()["data"])
-                   for _ in range(20)):
-                return
-            time.sleep(0.2)
-        raise SystemExit(f"deployment {name} not routed by every worker")
+        wait_routed_by_every_worker(self, name)
 
 
 def measure(label: str, direct_url: str, servers: list[Server], model: str, streams: int,

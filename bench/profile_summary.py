@@ -70,19 +70,23 @@ def table(title: str, counts: Counter[str], total: int, top: int) -> list[str]:
 def summarize_profile(path: Path, seconds: float | None = None, rate: int = 100,
                       top: int = 15) -> str:
     """Active samples per thread (and its share of the wall time when `seconds` is given),
-    then the leaf functions, their packages and the project code they run under."""
+    then the leaf functions, their packages, the project code they run under and every
+    function's inclusive share (the stages of a request, each with what it calls)."""
     stacks = parse(path)
     total = sum(count for _, _, count in stacks) or 1
     threads: Counter[str] = Counter()
     leaves: Counter[str] = Counter()
     packages: Counter[str] = Counter()
     owners: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
     for thread, frames, count in stacks:
         threads[thread] += count
         leaf = frames[-1] if frames else "(no Python frame)"
         leaves[short(leaf)] += count
         packages[package(leaf)] += count
         owners[owner(frames)] += count
+        for function in {short(frame) for frame in frames}:  # each once per stack
+            inclusive[function] += count
     lines = [f"{total} active samples in {path}"]
     for thread, count in threads.most_common(top):
         busy = f", busy {count / (seconds * rate):.0%} of the time" if seconds else ""
@@ -90,6 +94,8 @@ def summarize_profile(path: Path, seconds: float | None = None, rate: int = 100,
     lines += table("leaf function (self time)", leaves, total, top)
     lines += table("leaf package", packages, total, top)
     lines += table("deepest project frame (inclusive)", owners, total, top)
+    lines += table("every function (inclusive: the samples it is on the stack of)",
+                   inclusive, total, 3 * top)
     return "\n".join(lines)
 
 

@@ -43,7 +43,11 @@ class PrivateRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self.database_url(0)
+
+    def database_url(self, db: int) -> str:
+        """The URL of one of its numbered databases."""
+        return f"redis://127.0.0.1:{self.port}/{db}"
 
     def start(self) -> None:
         assert self.process is None, "already running"
