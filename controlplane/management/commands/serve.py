@@ -3,6 +3,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -235,6 +236,7 @@ async def quiet_main_loop(server: Any) -> None:
     idle server's event loop stays asleep (uvicorn's were most of an idle gateway's wake-ups)."""
     loop = asyncio.get_running_loop()
     server.fleet_loop = loop
+    freeze_startup_objects()
     counter = 0
     should_exit = await server.on_tick(counter)
     while not should_exit:
@@ -246,6 +248,16 @@ async def quiet_main_loop(server: Any) -> None:
             timer.cancel()
         counter = (counter + 10) % 864000  # uvicorn renews the header when % 10 == 0
         should_exit = await server.on_tick(counter)
+
+
+def freeze_startup_objects() -> None:
+    """What the server built to start (Django, its apps and settings, the ASGI
+    application: about 100,000 objects) is kept for the process's life: taken out of what
+    the cycle collector scans, so its full collections, which come now and then as answers
+    end, look at what requests left rather than stalling the event loop for about 30 ms.
+    Garbage is collected first, so none of it is kept."""
+    gc.collect()
+    gc.freeze()
 
 
 def ring(server: Any) -> None:

@@ -1,0 +1,79 @@
+"""How long a full collection of Python's cycle collector stalls the server's event loop,
+with what the server starts with (Django, its apps, the ASGI application, the gateway and
+the controllers' modules) left to be scanned, and frozen as `manage.py serve` freezes it
+once serving (controlplane/management/commands/serve.py, freeze_startup_objects).
+
+Full collections come now and then as answers end (the objects a request leaves reach
+the oldest generation); each one scans every tracked object, and the event loop waits.
+Measured in this process after loading what `serve` loads, in interleaved rounds (not
+frozen, frozen, not frozen, ...), plus a stand-in for what requests leave behind (a few
+thousand small dicts and lists, as the route table, metrics children and pools hold).
+
+    .venv/bin/python bench/gc_pause.py [--rounds 5]
+
+The last line is the median stall of a full collection, not frozen and frozen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def load_server() -> None:
+    """What `manage.py serve` has loaded by the time it serves."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    os.environ.setdefault("DEBUG", "true")  # the development run's settings (`make run`)
+    import django
+
+    django.setup()
+    import uvicorn  # noqa: F401
+
+    import controlplane.asgi
+    import controlplane.controllers
+    import controlplane.http_protocol  # noqa: F401
+    import serving.gateway.app  # noqa: F401
+
+
+def full_collection_ms() -> float:
+    started = time.perf_counter()
+    gc.collect()
+    return (time.perf_counter() - started) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    options = parser.parse_args()
+    load_server()
+    gc.collect()
+    tracked = len(gc.get_objects())
+    plain: list[float] = []
+    frozen: list[float] = []
+    left: list[object] = []
+    for _ in range(options.rounds):
+        gc.unfreeze()
+        plain.append(full_collection_ms())
+        gc.freeze()  # as serve does once serving
+        # What requests leave is made after the freeze and stays scanned.
+        left = [{"n": i, "items": [i, str(i)]} for i in range(5000)]
+        frozen.append(full_collection_ms())
+    del left
+    gc.unfreeze()
+    print(f"objects the collector tracks with the server loaded: {tracked:,}")
+    print(f"full collection, every round (ms): not frozen {[round(x, 1) for x in plain]}; "
+          f"frozen {[round(x, 2) for x in frozen]}")
+    print(f"full collection stall, median of {options.rounds}: not frozen "
+          f"{statistics.median(plain):.1f} ms, frozen {statistics.median(frozen):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
