@@ -126,7 +126,9 @@ def database_from_url(name: str, url: str) -> dict[str, object]:
         if not path or path == "/":
             raise SettingError(f"{name}={url!r} names no database file")
         return {"ENGINE": "django.db.backends.sqlite3", "NAME": path.lstrip("/") if
-                not path.startswith("//") else path[1:]}
+                not path.startswith("//") else path[1:],
+                # As PostgreSQL's: a thread keeps its connection between passes.
+                "CONN_MAX_AGE": 60}
     raise SettingError(
         f"{name}={url!r}: unsupported scheme {scheme!r} (use postgres:// or sqlite:///)"
     )

@@ -131,6 +131,10 @@ else:
             "NAME": DATA_DIR / "db.sqlite3",
             # Several threads (the ASGI server, importers) share this file.
             "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+            # Each thread keeps its connection between the controllers' passes (about one
+            # a second), as with PostgreSQL, rather than opening the file, registering
+            # SQLite's functions and closing it again every time (bench/idle_cpu.py).
+            "CONN_MAX_AGE": 60,
             # Tests use a file too: an in-memory database shared between threads fails
             # with "table is locked" where a file waits for its lock.
             "TEST": {"NAME": str(DATA_DIR / "test-db.sqlite3")},

@@ -29,6 +29,19 @@ def test_a_pass_in_debug_leaves_no_query_log_on_its_thread(settings: Any) -> Non
     assert connection.queries == []
 
 
+@pytest.mark.django_db(transaction=True)
+def test_passes_on_one_thread_keep_its_database_connection() -> None:
+    # A pass runs about once a second: opening the database (for SQLite, the file and
+    # its functions; for PostgreSQL, a session) for each was most of an idle pass's cost.
+    make_deployment("demo")
+    reconciler = Reconciler()
+    controllers._one_pass(reconciler)
+    kept = connection.connection
+    assert kept is not None  # left open for the next pass
+    controllers._one_pass(reconciler)
+    assert connection.connection is kept
+
+
 async def test_a_pass_asked_for_from_a_thread_ends_the_wait_at_once() -> None:
     reconcile_requested.clear()
     stop = asyncio.Event()
