@@ -131,6 +131,8 @@ async def run_autoscaler(stop: asyncio.Event) -> None:
         if stop.is_set():
             break
         demand.arrived.clear()
+        if autoscaler.nothing_to_decide():  # no policy anywhere, nothing changed since
+            continue
         try:
             if await asyncio.to_thread(one_pass):
                 request_reconcile()

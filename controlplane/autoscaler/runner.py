@@ -23,6 +23,7 @@ from controlplane.collector import current
 from controlplane.metrics.store import ScalingDecision
 from controlplane.models import Deployment
 from controlplane.reconciler import promote_now
+from controlplane.reconciler.schedule import fleet_revision
 from controlplane.services import audit
 from serving.demand import total as demand_total
 
@@ -40,12 +41,26 @@ class Autoscaler:
         # Dashboard messages for the decisions of the last passes, sent by the caller
         # (`controllers.run_autoscaler`) from its event loop, then cleared.
         self.charted: list[dict[str, Any]] = []
+        # The fleet revision (controlplane/reconciler/schedule.py) at which the last pass
+        # found no running deployment with a policy; None when it found one.
+        self.none_at: int | None = None
+
+    def nothing_to_decide(self) -> bool:
+        """Whether a pass now would find nothing to decide for, known without asking the
+        database: the last one found no deployment with a policy and no pass of this
+        process's reconciler has been full or changed anything since (a policy set, a
+        deployment started: every change made through the API, the pages or the CLI
+        writes an event the change watch sees; a SQL write, at the next resync). Only
+        where a reconciler runs beside (the fleet revision above 0)."""
+        revision = fleet_revision()
+        return revision > 0 and self.none_at == revision
 
     def run_once(self, now: float | None = None, moment: datetime | None = None
                  ) -> list[tuple[str, Decision]]:
         """Decide for every deployment; each decision is also added to the collector's
         series of its deployment (charted and listed on the dashboard), see
         `chart_decision`."""
+        revision = fleet_revision()  # before the query: a change during it is seen next
         now = time.time() if now is None else now
         moment = datetime.now(UTC) if moment is None else moment
         collector = current()
@@ -53,9 +68,10 @@ class Autoscaler:
         summaries = {d["name"]: d for d in fleet.get("deployments") or []}
         at = float(fleet.get("t") or 0.0)
         decisions = []
-        deployments = Deployment.objects.filter(
+        deployments = list(Deployment.objects.filter(
             deleting=False, state=Deployment.State.RUNNING).exclude(autoscaling=None)
-        for deployment in deployments.select_related("backend"):
+            .select_related("backend"))  # one query: read again below, it was two
+        for deployment in deployments:
             policy = enabled_policy(deployment)
             if policy is None or scaled_by_platform(deployment):
                 continue
@@ -70,6 +86,7 @@ class Autoscaler:
         live = {d.pk for d in deployments}
         for pk in set(self.memory) - live:
             del self.memory[pk]
+        self.none_at = revision if not live else None
         return decisions
 
     def apply(self, deployment: Deployment, decision: Decision, memory: Memory) -> None:

@@ -170,3 +170,41 @@ def test_every_decision_is_charted_with_its_inputs_steady_ones_too(
     assert messages[-1]["t"] == history[-1]["t"] and messages[-1]["deployment"] == "chat"
     # Only the change is an event: steady passes keep the log readable.
     assert list(AuditEvent.objects.values_list("action", flat=True)) == ["autoscaled"]
+
+
+def test_with_no_policy_anywhere_passes_skip_the_database_until_the_fleet_changes(
+        store: MetricsStore) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from controlplane.reconciler.schedule import note_fleet_changed
+
+    note_fleet_changed()  # a reconciler runs in this process (the embedded default)
+    deployment = make_deployment("manual", model=make_model("llama"), replicas=1,
+                                 min_replicas=1, max_replicas=4)
+    autoscaler = Autoscaler()
+    assert not autoscaler.nothing_to_decide()  # nothing known before a first pass
+    with CaptureQueriesContext(connection) as queries:
+        assert autoscaler.run_once() == []
+    assert len(queries.captured_queries) == 1
+    assert autoscaler.nothing_to_decide()  # an idle fleet: no query, no thread, per pass
+    # A policy set: its event makes the reconciler's next pass full, which is what the
+    # autoscaler follows; the next pass decides for the deployment.
+    Deployment.objects.filter(pk=deployment.pk).update(autoscaling=POLICY)
+    note_fleet_changed()
+    assert not autoscaler.nothing_to_decide()
+    now = time.time()
+    store.fleet = {"t": now, "deployments": [summary("manual", waiting=7.0)]}
+    [(name, decision)] = autoscaler.run_once(now=now)
+    assert (name, decision.desired) == ("manual", 4)
+    assert not autoscaler.nothing_to_decide()  # a policy somewhere: every pass decides
+
+
+def test_without_a_reconciler_beside_every_pass_asks_the_database(
+        store: MetricsStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from controlplane.reconciler import schedule
+
+    monkeypatch.setattr(schedule, "_fleet_revision", 0)  # nothing tells of changes here
+    autoscaler = Autoscaler()
+    assert autoscaler.run_once() == []
+    assert not autoscaler.nothing_to_decide()
