@@ -254,8 +254,8 @@ def freeze_startup_objects() -> None:
     """What the server built to start (Django, its apps and settings, the ASGI
     application: about 100,000 objects) is kept for the process's life: taken out of what
     the cycle collector scans, so its full collections, which come now and then as answers
-    end, look at what requests left rather than stalling the event loop for about 30 ms.
-    Garbage is collected first, so none of it is kept."""
+    end, look at what requests left rather than stalling the event loop for some 25 ms
+    (bench/gc_pause.py). Garbage is collected first, so none of it is kept."""
     gc.collect()
     gc.freeze()
 
