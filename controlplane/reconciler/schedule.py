@@ -58,30 +58,20 @@ class ChangeWatch:
 
     def changed(self) -> bool:
         """Whether an event (or a repeat of one) was written by someone else since the
-        last call; True on the first."""
+        last call; True on the first. The query is written out, not built by the ORM:
+        it runs every pass (about once a second), and the ORM's building of it cost more
+        than the indexed query itself (no ordering either: the rows make a set)."""
         since = timezone.now() - timedelta(seconds=CHANGE_WINDOW_SECONDS)
+        q = connection.ops.quote_name
         with connection.cursor() as cursor:
-            cursor.execute(self.sql(), [connection.ops.adapt_datetimefield_value(since),
-                                        OWN_ACTOR])
+            cursor.execute(
+                f"SELECT {q('id')}, {q('count')} FROM {q(AuditEvent._meta.db_table)} "
+                f"WHERE {q('last_seen')} >= %s AND NOT ({q('actor')} = %s)",
+                [connection.ops.adapt_datetimefield_value(since), OWN_ACTOR])
             rows = set(cursor.fetchall())
         changed = self.seen is None or bool(rows - self.seen)
         self.seen = rows
         return changed
-
-    @staticmethod
-    def sql() -> str:
-        """The look, written out once: it runs every pass (about once a second), and
-        the ORM's building of it cost more than the indexed query itself (no ordering
-        either: the rows make a set)."""
-        global _CHANGE_SQL
-        if _CHANGE_SQL is None:
-            q = connection.ops.quote_name
-            _CHANGE_SQL = (f"SELECT {q('id')}, {q('count')} FROM {q(AuditEvent._meta.db_table)} "
-                           f"WHERE {q('last_seen')} >= %s AND NOT ({q('actor')} = %s)")
-        return _CHANGE_SQL
-
-
-_CHANGE_SQL: str | None = None
 
 
 def settled(deployment: Deployment, replicas: list[Replica], *, changed: bool,

@@ -79,7 +79,8 @@ def test_the_served_process_sleeps_when_idle_and_stops_at_once(tmp_path: Path) -
 async def test_the_main_loop_keeps_what_the_server_started_with_out_of_full_collections(
 ) -> None:
     # A full collection scans every object the collector tracks: with Django and the
-    # application loaded (about 100,000), one stalled the event loop for about 30 ms.
+    # application loaded (about 100,000), one stalled the event loop for some 25 ms
+    # (bench/gc_pause.py).
     # Once serving, what the server started with is frozen, so only what requests leave
     # is scanned; garbage found at that moment is collected, not kept.
     gc.unfreeze()
