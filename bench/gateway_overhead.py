@@ -31,7 +31,9 @@ CPU per event at most the router's) met or missed.
 With --compare-with PATH (another checkout of the project, e.g. a `git worktree` of an
 older commit with the same .venv), a second server runs that checkout's code before the
 same engines instead, and each load is sent to the two in interleaved rounds (A, B, A, B);
-it prints each server's CPU time per relayed event and their ratio. With --local, the
+it prints each server's CPU time per relayed event and their ratio, and how often each
+server's cycle collector ran per 100 requests (python_gc_collections_total on its
+/metrics, read around each of its rounds). With --local, the
 engines are replicas each control plane runs itself (a `local` backend whose interpreter
 is fakes/vllm_cli.py's stand-in, the same fake engine): their streams carry vLLM's usage
 so far on every chunk (`continuous_usage_stats`), which the gateway reads and takes out,
@@ -336,6 +338,16 @@ class Endpoint:
     urls: dict[str, str]  # model -> base URL
     key: str | None
     pids: dict[str, int]  # model -> the process that relays it; none for the engine
+    metrics: str | None = None  # the control plane's /metrics, where it has one
+
+    def collections(self) -> int:
+        """The cycle collector's runs in the relaying process so far (every generation),
+        from its /metrics (python_gc_collections_total); 0 without one."""
+        if self.metrics is None:
+            return 0
+        text = httpx.get(self.metrics, timeout=10).text
+        return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+                   if line.startswith("python_gc_collections_total{"))
 
     def cpu_seconds(self, model: str) -> float:
         """User + system CPU of the process relaying `model` and its children (every
@@ -360,6 +372,11 @@ class Side:
     runs: list[Run]
     cpu: float  # seconds of the path's process CPU over its rounds
     idle: float = 0.0  # the process's CPU per second with no traffic (its background)
+    collections: int = 0  # the cycle collector's runs in the process over its rounds
+
+    @property
+    def collections_per_100_requests(self) -> float:
+        return self.collections / max(1, sum(len(run.ttfts) for run in self.runs)) * 100
 
     @property
     def events(self) -> int:
@@ -451,11 +468,13 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
     sides = [Side([], 0.0, rate) for rate in idle or [0.0] * len(endpoints)]
     for _ in range(rounds):
         for endpoint, side in zip(endpoints, sides, strict=True):
+            collected = endpoint.collections()
             before = endpoint.cpu_seconds(load_.model)
             side.runs.append(asyncio.run(load(endpoint.urls[load_.model], load_.model,
                                               load_.streams, load_.tokens, endpoint.key,
                                               load_.requests)))
             side.cpu += endpoint.cpu_seconds(load_.model) - before
+            side.collections += endpoint.collections() - collected
     return sides
 
 
@@ -499,7 +518,8 @@ def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[s
                 product.route("fake", paced_url)
                 product.route("fast", unpaced_url)
         endpoints = [Endpoint(name, {"fake": p.url, "fast": p.url}, p.key,
-                              {"fake": p.process.pid, "fast": p.process.pid})
+                              {"fake": p.process.pid, "fast": p.process.pid},
+                              f"{p.url}/metrics")
                      for name, p in zip(("this", "other"), products, strict=True)]
         for name in names:
             load_ = LOADS.get(name) or profile_load(name)
@@ -512,6 +532,9 @@ def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[s
                   f"{other.cpu_per_request_ms:.3f} ms CPU/request, TTFT p50 "
                   f"{other.ttft_p50():.2f} ms, {other.rate:,.0f} tok/s | CPU/event ratio "
                   f"this/other {this.cpu_per_event_us / other.cpu_per_event_us:.3f} | "
+                  f"cycle collections per 100 requests "
+                  f"{this.collections_per_100_requests:.1f}/"
+                  f"{other.collections_per_100_requests:.1f} | "
                   f"errors {this.errors}/{other.errors}", flush=True)
             summary.append(f"{name}: CPU/event x"
                            f"{this.cpu_per_event_us / other.cpu_per_event_us:.3f} "

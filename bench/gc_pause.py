@@ -11,7 +11,9 @@ thousand small dicts and lists, as the route table, metrics children and pools h
 
     .venv/bin/python bench/gc_pause.py [--rounds 5]
 
-The last line is the median stall of a full collection, not frozen and frozen.
+The last line is the median stall of a full collection, not frozen and frozen; the line
+before it, the stall of one collection of the youngest generation at the threshold serve
+sets once serving (SERVING_GC_THRESHOLDS).
 """
 
 from __future__ import annotations
@@ -49,6 +51,27 @@ def full_collection_ms() -> float:
     return (time.perf_counter() - started) * 1000
 
 
+def young_collection_ms(rounds: int) -> float:
+    """The stall of one collection of the youngest generation when it holds as many new
+    containers as serve lets it (SERVING_GC_THRESHOLDS), shaped like a request's
+    objects (dicts of lists and strings), all still in use; the median of `rounds`."""
+    from controlplane.management.commands.serve import SERVING_GC_THRESHOLDS
+
+    stalls = []
+    for _ in range(rounds):
+        gc.collect()
+        gc.disable()  # none of them scanned before the one measured
+        per_request = 4  # containers per entry below: dict, list, dict, list
+        live = [{"headers": [(b"a", b"b")], "state": {"n": i, "chunks": [str(i)]}}
+                for i in range(SERVING_GC_THRESHOLDS[0] // per_request)]
+        started = time.perf_counter()
+        gc.collect(0)
+        stalls.append((time.perf_counter() - started) * 1000)
+        gc.enable()
+        del live
+    return statistics.median(stalls)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -67,10 +90,15 @@ def main() -> None:
         left = [{"n": i, "items": [i, str(i)]} for i in range(5000)]
         frozen.append(full_collection_ms())
     del left
+    young = young_collection_ms(options.rounds)
     gc.unfreeze()
     print(f"objects the collector tracks with the server loaded: {tracked:,}")
     print(f"full collection, every round (ms): not frozen {[round(x, 1) for x in plain]}; "
           f"frozen {[round(x, 2) for x in frozen]}")
+    from controlplane.management.commands.serve import SERVING_GC_THRESHOLDS
+
+    print(f"young collection at serve's threshold ({SERVING_GC_THRESHOLDS[0]:,} new "
+          f"containers, request-like), median of {options.rounds}: {young:.2f} ms")
     print(f"full collection stall, median of {options.rounds}: not frozen "
           f"{statistics.median(plain):.1f} ms, frozen {statistics.median(frozen):.2f} ms")
 

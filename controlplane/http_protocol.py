@@ -21,6 +21,7 @@ answer is not chunked or not started).
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -33,13 +34,20 @@ WRITE_BODY = "fleetplane.write_body"
 class HeadHeldTransport:
     """One response's view of the connection's transport: its first write (the head) is
     held until the next write, which carries it along, or until the end of this turn of
-    the event loop; every other call goes to the transport."""
+    the event loop; every other call goes to the transport.
+
+    It knows its request's cycle by a weak reference: the cycle holds it (as its
+    transport, and through the scope's `write_body`), and a strong reference back would
+    make every request's objects a reference cycle, left for the cycle collector to find
+    and free rather than freed when the request ends (about twenty objects a request,
+    scanned again and again by collections while they wait)."""
 
     __slots__ = ("cycle", "first", "held", "loop", "transport")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
                  cycle: RequestResponseCycle) -> None:
-        self.transport, self.loop, self.cycle = transport, loop, cycle
+        self.transport, self.loop = transport, loop
+        self.cycle = weakref.ref(cycle)
         self.held: bytes | None = None
         self.first = True
 
@@ -69,9 +77,10 @@ class HeadHeldTransport:
 
     def write_body(self, body: bytes, more_body: bool) -> bool:
         """One chunk of the chunked answer, written now (see the module's text)."""
-        cycle = self.cycle
-        if (cycle.flow.write_paused or cycle.disconnected or not cycle.response_started
-                or cycle.response_complete or not cycle.chunked_encoding):
+        cycle = self.cycle()
+        if (cycle is None or cycle.flow.write_paused or cycle.disconnected
+                or not cycle.response_started or cycle.response_complete
+                or not cycle.chunked_encoding):
             return False
         if more_body:
             if body:

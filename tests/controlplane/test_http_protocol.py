@@ -7,6 +7,7 @@ client reads what each write of the server brought."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from controlplane.http_protocol import WRITE_BODY
+from controlplane.http_protocol import WRITE_BODY, HttpProtocol
 from tests.processes import ROOT, free_port, wait_healthy
 
 # The stream's body waits for a request to /go.
@@ -134,3 +135,44 @@ def test_an_answer_that_closes_the_connection_is_written_whole_first(server_port
         answer = read_until(connection, ask(connection, "/close"), b"hello")
         assert b"connection: close" in answer
         assert connection.recv(65536) == b""  # then the server closed it
+
+
+async def test_a_finished_request_leaves_no_garbage_for_the_cycle_collector() -> None:
+    # A request's objects (its cycle, the transport view writing its answer, its scope)
+    # are freed as it ends, by reference counting: left as reference cycles they would
+    # wait for the cycle collector, which then scans them again and again.
+    import uvicorn
+
+    config = uvicorn.Config(application, host="127.0.0.1", port=free_port(),
+                            http=HttpProtocol, lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    serving = asyncio.get_running_loop().create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds is kept to be looked at
+        try:
+            for path, end in (("/whole", b"hello"), ("/written", b"0\r\n\r\n"),
+                              ("/close", b"hello")):
+                reader, writer = await asyncio.open_connection("127.0.0.1", config.port)
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+                answer = b""
+                while not answer.endswith(end):
+                    more = await asyncio.wait_for(reader.read(65536), 10)
+                    assert more, answer
+                    answer += more
+                writer.close()
+                await writer.wait_closed()
+            while server.server_state.connections or server.server_state.tasks:
+                await asyncio.sleep(0.01)  # the server saw each client go
+            gc.collect()
+            left = sorted({type(thing).__name__ for thing in gc.garbage
+                           if type(thing).__module__.startswith(("uvicorn", "controlplane"))})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        assert left == []
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 10)

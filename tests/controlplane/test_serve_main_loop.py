@@ -17,7 +17,11 @@ from typing import Any
 import httpx
 import psutil
 
-from controlplane.management.commands.serve import quiet_main_loop, waking_handle_exit
+from controlplane.management.commands.serve import (
+    SERVING_GC_THRESHOLDS,
+    quiet_main_loop,
+    waking_handle_exit,
+)
 from tests.processes import free_port, manage, server_env, start_server, stop_server
 
 
@@ -84,6 +88,7 @@ async def test_the_main_loop_keeps_what_the_server_started_with_out_of_full_coll
     # Once serving, what the server started with is frozen, so only what requests leave
     # is scanned; garbage found at that moment is collected, not kept.
     gc.unfreeze()
+    thresholds = gc.get_threshold()
     marker = Cycle()
     marker.me = marker  # garbage only the collector can free
     gone = weakref.ref(marker)
@@ -96,11 +101,16 @@ async def test_the_main_loop_keeps_what_the_server_started_with_out_of_full_coll
             await asyncio.sleep(0.01)
         assert gc.get_freeze_count() >= started_with * 0.9
         assert gone() is None  # collected before the freeze, not kept for good
+        # and the youngest objects are scanned after 20,000 new ones, not 700: a burst
+        # of requests is not scanned over and over while it is in use
+        assert gc.get_threshold() == SERVING_GC_THRESHOLDS
+        assert SERVING_GC_THRESHOLDS[0] >= 10_000
     finally:
         server.should_exit = True
         waking_handle_exit(server, signal.SIGTERM, None)
         await asyncio.wait_for(running, 2)
         gc.unfreeze()  # the rest of the test run is not a server
+        gc.set_threshold(*thresholds)
 
 
 class Cycle:
