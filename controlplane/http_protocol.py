@@ -39,8 +39,8 @@ class HeadHeldTransport:
     It knows its request's cycle by a weak reference: the cycle holds it (as its
     transport, and through the scope's `write_body`), and a strong reference back would
     make every request's objects a reference cycle, left for the cycle collector to find
-    and free rather than freed when the request ends (about twenty objects a request,
-    scanned again and again by collections while they wait)."""
+    and free rather than freed when the request ends (scanned again and again by
+    collections while they wait)."""
 
     __slots__ = ("cycle", "first", "held", "loop", "transport")
 
