@@ -375,8 +375,13 @@ class Side:
     collections: int = 0  # the cycle collector's runs in the process over its rounds
 
     @property
+    def requests(self) -> int:
+        """Requests answered over every round."""
+        return sum(len(run.ttfts) for run in self.runs)
+
+    @property
     def collections_per_100_requests(self) -> float:
-        return self.collections / max(1, sum(len(run.ttfts) for run in self.runs)) * 100
+        return self.collections / max(1, self.requests) * 100
 
     @property
     def events(self) -> int:
@@ -395,7 +400,7 @@ class Side:
     @property
     def cpu_per_request_ms(self) -> float:
         """Milliseconds of the process's CPU per request answered."""
-        return self.cpu / max(1, sum(len(run.ttfts) for run in self.runs)) * 1e3
+        return self.cpu / max(1, self.requests) * 1e3
 
     @property
     def net_cpu_per_event_us(self) -> float:
@@ -859,10 +864,9 @@ def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> N
         product.stop()
         if engine is not None:
             engine.kill()
-    requests = sum(len(run.ttfts) for run in unsampled.runs)
     print(f"{load_.name}: gateway process CPU while sampled: {busy:.0%} of one core; "
-          f"without the sampler, {unsampled.cpu / max(1, requests) * 1000:.3f} ms per "
-          f"request, {unsampled.cpu_per_event_us:.1f} us per event ({requests} requests, "
+          f"without the sampler, {unsampled.cpu_per_request_ms:.3f} ms per request, "
+          f"{unsampled.cpu_per_event_us:.1f} us per event ({unsampled.requests} requests, "
           f"{unsampled.events} events)")
     print(summarize_profile(Path(options.profile), options.profile_seconds))
 

@@ -51,19 +51,17 @@ def full_collection_ms() -> float:
     return (time.perf_counter() - started) * 1000
 
 
-def young_collection_ms(rounds: int) -> float:
-    """The stall of one collection of the youngest generation when it holds as many new
-    containers as serve lets it (SERVING_GC_THRESHOLDS), shaped like a request's
-    objects (dicts of lists and strings), all still in use; the median of `rounds`."""
-    from controlplane.management.commands.serve import SERVING_GC_THRESHOLDS
-
+def young_collection_ms(rounds: int, threshold: int) -> float:
+    """The stall of one collection of the youngest generation when it holds `threshold`
+    new containers (as many as serve lets it), shaped like a request's objects (dicts of
+    lists and strings), all still in use; the median of `rounds`."""
     stalls = []
     for _ in range(rounds):
         gc.collect()
         gc.disable()  # none of them scanned before the one measured
         per_request = 4  # containers per entry below: dict, list, dict, list
         live = [{"headers": [(b"a", b"b")], "state": {"n": i, "chunks": [str(i)]}}
-                for i in range(SERVING_GC_THRESHOLDS[0] // per_request)]
+                for i in range(threshold // per_request)]
         started = time.perf_counter()
         gc.collect(0)
         stalls.append((time.perf_counter() - started) * 1000)
@@ -77,6 +75,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     options = parser.parse_args()
     load_server()
+    from controlplane.management.commands.serve import SERVING_GC_THRESHOLDS
     gc.collect()
     tracked = len(gc.get_objects())
     plain: list[float] = []
@@ -90,13 +89,11 @@ def main() -> None:
         left = [{"n": i, "items": [i, str(i)]} for i in range(5000)]
         frozen.append(full_collection_ms())
     del left
-    young = young_collection_ms(options.rounds)
+    young = young_collection_ms(options.rounds, SERVING_GC_THRESHOLDS[0])
     gc.unfreeze()
     print(f"objects the collector tracks with the server loaded: {tracked:,}")
     print(f"full collection, every round (ms): not frozen {[round(x, 1) for x in plain]}; "
           f"frozen {[round(x, 2) for x in frozen]}")
-    from controlplane.management.commands.serve import SERVING_GC_THRESHOLDS
-
     print(f"young collection at serve's threshold ({SERVING_GC_THRESHOLDS[0]:,} new "
           f"containers, request-like), median of {options.rounds}: {young:.2f} ms")
     print(f"full collection stall, median of {options.rounds}: not frozen "
