@@ -28,21 +28,10 @@ then one markdown table and, on the last lines, each target of the gateway again
 router (added TTFT p50 within the router's + 2 ms, throughput ratio at least the router's,
 CPU per event at most the router's) met or missed.
 
-With --compare-with PATH (another checkout of the project, e.g. a `git worktree` of an
-older commit with the same .venv), a second server runs that checkout's code before the
-same engines instead, and each load is sent to the two in interleaved rounds (A, B, A, B);
-it prints each server's CPU time per relayed event and their ratio, and how often each
-server's cycle collector ran per 100 requests (python_gc_collections_total on its
-/metrics, read around each of its rounds). With --local, the
-engines are replicas each control plane runs itself (a `local` backend whose interpreter
-is fakes/vllm_cli.py's stand-in, the same fake engine): their streams carry vLLM's usage
-so far on every chunk (`continuous_usage_stats`), which the gateway reads and takes out,
-as for any replica the control plane runs; external deployments skip that work.
-
-With --profile PATH, py-spy (from the benchmark's environment) samples the gateway process
-while 128 paced streams go through it, writes the raw collapsed stacks to PATH and prints
-where the time goes (bench/profile_summary.py); with --profile-idle, the gateway with no
-traffic instead (its background: controllers, collector, load watcher).
+With --compare-with PATH, this checkout's gateway against another checkout's instead
+(bench/gateway_compare.py); with --profile PATH, py-spy on the gateway under a load or,
+with --profile-idle, with no traffic (bench/gateway_profile.py). The loads, the paths'
+figures and the printed table are in bench/path_figures.py.
 
     .venv/bin/python bench/gateway_overhead.py [--loads NAME,...] [--rounds N] [--quick]
         [--no-router] [--no-gateway-only] [--workers N] [--vllm]
@@ -56,14 +45,11 @@ import argparse
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -71,9 +57,21 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.profile_summary import summarize_profile  # noqa: E402
+from bench.path_figures import (  # noqa: E402
+    LOADS,
+    ROUTER,
+    Endpoint,
+    Load,
+    Side,
+    helpers_of,
+    idle_burn,
+    interleave,
+    load_names,
+    print_rows,
+    print_table,
+    profile_load,
+)
 from bench.stream_load import Run, load  # noqa: E402  (the other benchmarks import it here)
-from fakes.vllm_cli import stand_in_python  # noqa: E402
 from tests.processes import (  # noqa: E402
     end_replicas,
     free_port,
@@ -230,14 +228,6 @@ class ControlPlane:
         end_replicas(self.env["DATA_DIR"])  # replicas it ran (they outlive it on purpose)
 
 
-class OtherCheckout(ControlPlane):
-    """The control plane of another checkout of the project (its code, the same venv)."""
-
-    def __init__(self, root: Path, extra_env: dict[str, str]) -> None:
-        self.root = root
-        super().__init__(**extra_env)
-
-
 class GatewayOnly(ControlPlane):
     """The gateway in a process of its own (`manage.py serve --no-controllers`), the
     controllers and collector in another (`manage.py run_controllers`), sharing the
@@ -307,148 +297,6 @@ def start_server_in(root: Path, env: dict[str, str], port: int) -> subprocess.Po
     raise SystemExit(f"manage.py serve in {root} did not answer /healthz")
 
 
-@dataclass(frozen=True)
-class Load:
-    """One load of the side-by-side table: `streams` clients, each sending `requests`
-    streamed completions of `tokens` tokens one after another per round."""
-
-    name: str
-    label: str
-    model: str  # "fake": the paced engine; "fast": the unpaced one
-    streams: int
-    requests: int
-    tokens: int = 256
-
-
-LOADS = {load.name: load for load in (
-    Load("paced-1", "paced 10 ms/token", "fake", 1, 2),
-    Load("paced-16", "paced 10 ms/token", "fake", 16, 1),
-    Load("paced-128", "paced 10 ms/token", "fake", 128, 1),
-    # Unpaced rounds repeat requests so that a round lasts about a second, not a few ms.
-    Load("unpaced-1", "unpaced", "fast", 1, 50),
-    Load("unpaced-64", "unpaced", "fast", 64, 8),
-)}
-
-
-@dataclass
-class Endpoint:
-    """One path to the engines: the engines themselves, the gateway or the routers."""
-
-    name: str
-    urls: dict[str, str]  # model -> base URL
-    key: str | None
-    pids: dict[str, int]  # model -> the process that relays it; none for the engine
-    metrics: str | None = None  # the control plane's /metrics, where it has one
-
-    def collections(self) -> int:
-        """The cycle collector's runs in the relaying process so far (every generation),
-        from its /metrics (python_gc_collections_total); 0 without one."""
-        if self.metrics is None:
-            return 0
-        text = httpx.get(self.metrics, timeout=10).text
-        return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
-                   if line.startswith("python_gc_collections_total{"))
-
-    def cpu_seconds(self, model: str) -> float:
-        """User + system CPU of the process relaying `model` and its children (every
-        thread) so far; 0 for the engine itself."""
-        import psutil
-
-        if model not in self.pids:
-            return 0.0
-        total = 0.0
-        process = psutil.Process(self.pids[model])
-        for member in (process, *helpers_of(process)):
-            with contextlib.suppress(psutil.Error):
-                times = member.cpu_times()
-                total += times.user + times.system
-        return total
-
-
-@dataclass
-class Side:
-    """One path's figures over the interleaved rounds of one load."""
-
-    runs: list[Run]
-    cpu: float  # seconds of the path's process CPU over its rounds
-    idle: float = 0.0  # the process's CPU per second with no traffic (its background)
-    collections: int = 0  # the cycle collector's runs in the process over its rounds
-
-    @property
-    def requests(self) -> int:
-        """Requests answered over every round."""
-        return sum(len(run.ttfts) for run in self.runs)
-
-    @property
-    def collections_per_100_requests(self) -> float:
-        return self.collections / max(1, self.requests) * 100
-
-    @property
-    def events(self) -> int:
-        """Events relayed over every round."""
-        return sum(run.tokens for run in self.runs)
-
-    @property
-    def errors(self) -> int:
-        return sum(run.errors for run in self.runs)
-
-    @property
-    def cpu_per_event_us(self) -> float:
-        """Microseconds of the process's CPU per relayed event."""
-        return self.cpu / max(1, self.events) * 1e6
-
-    @property
-    def cpu_per_request_ms(self) -> float:
-        """Milliseconds of the process's CPU per request answered."""
-        return self.cpu / max(1, self.requests) * 1e3
-
-    @property
-    def net_cpu_per_event_us(self) -> float:
-        """The same, less what the process burns with no traffic over as long."""
-        seconds = sum(run.seconds for run in self.runs)
-        return max(0.0, self.cpu - self.idle * seconds) / max(1, self.events) * 1e6
-
-    @property
-    def burst_cores(self) -> float:
-        """Cores the whole machine kept busy, on average, from each round's start until
-        every stream had its first token (the burst the TTFT is measured over)."""
-        seconds = sum(run.burst_seconds for run in self.runs)
-        return sum(run.burst_busy for run in self.runs) / seconds if seconds else 0.0
-
-    @property
-    def burst_ms(self) -> float:
-        """The burst's mean length, in ms."""
-        return sum(run.burst_seconds for run in self.runs) / max(1, len(self.runs)) * 1e3
-
-    def ttft(self, q: float) -> float:
-        """A TTFT percentile over every round, in ms."""
-        return Run([t for run in self.runs for t in run.ttfts], 0, 1, 0).p(q)
-
-    def ttft_p50(self) -> float:
-        return self.ttft(0.5)
-
-    @property
-    def rate(self) -> float:
-        """Tokens per second over every round."""
-        return sum(run.tokens for run in self.runs) / sum(run.seconds for run in self.runs)
-
-
-def helpers_of(process: object) -> list[object]:
-    """A relaying process's own children (the collector's parser), every level down, but
-    not the replicas a control plane runs (they carry FLEETPLANE_REPLICA in their
-    environment) nor anything below them: those are engines, not relaying."""
-    import psutil
-
-    assert isinstance(process, psutil.Process)
-    found: list[object] = []
-    with contextlib.suppress(psutil.Error):
-        for child in process.children():
-            with contextlib.suppress(psutil.Error):
-                if "FLEETPLANE_REPLICA" not in child.environ():
-                    found += [child, *helpers_of(child)]
-    return found
-
-
 def settle(endpoints: list[Endpoint], collecting: list[ControlPlane],
            timeout: float = 60.0) -> None:
     """Before anything is measured: a request down every path, then until the collector
@@ -473,111 +321,6 @@ def settle(endpoints: list[Endpoint], collecting: list[ControlPlane],
                 return
             time.sleep(0.5)
     print("every collector's parser process has started (not measured)", flush=True)
-
-
-def idle_burn(endpoints: list[Endpoint], seconds: float) -> dict[str, list[float]]:
-    """Per model, each endpoint's process CPU per second while nothing is sent (one window
-    for all)."""
-    models = ("fake", "fast")
-    before = {model: [endpoint.cpu_seconds(model) for endpoint in endpoints]
-              for model in models}
-    started = time.monotonic()
-    time.sleep(seconds)
-    elapsed = time.monotonic() - started
-    return {model: [(endpoint.cpu_seconds(model) - was) / elapsed
-                    for endpoint, was in zip(endpoints, before[model], strict=True)]
-            for model in models}
-
-
-def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
-               idle: list[float] | None = None) -> list[Side]:
-    """The same load sent to each endpoint in turn, `rounds` times (A, B, C, A, B, C ...),
-    each endpoint's process CPU counted over its own rounds only."""
-    for endpoint in endpoints:  # warm connection pools at the measured concurrency
-        asyncio.run(load(endpoint.urls[load_.model], load_.model, load_.streams, 8,
-                         endpoint.key, 1))
-    sides = [Side([], 0.0, rate) for rate in idle or [0.0] * len(endpoints)]
-    for _ in range(rounds):
-        for endpoint, side in zip(endpoints, sides, strict=True):
-            collected = endpoint.collections()
-            before = endpoint.cpu_seconds(load_.model)
-            side.runs.append(asyncio.run(load(endpoint.urls[load_.model], load_.model,
-                                              load_.streams, load_.tokens, endpoint.key,
-                                              load_.requests)))
-            side.cpu += endpoint.cpu_seconds(load_.model) - before
-            side.collections += endpoint.collections() - collected
-    return sides
-
-
-def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
-    """This checkout's gateway against another's, in interleaved rounds."""
-    other_root = Path(options.compare_with).resolve()
-    pythons: dict[str, str] = {}
-    if options.local:  # a stand-in interpreter per pace, for both control planes
-        for model, interval in (("fake", 10.0), ("fast", 0.0)):
-            folder = Path(tempfile.mkdtemp(prefix=f"gateway-bench-{model}-"))
-            pythons[model] = stand_in_python(folder, token_interval_ms=interval)
-        extra_env = {**extra_env, "LOCAL_BACKEND_PYTHONS": ",".join(pythons.values())}
-    envs = [extra_env, extra_env]
-    with contextlib.ExitStack() as stack:
-        if options.redis:  # a private Redis, a database for each control plane
-            from tests.services import private_redis
-
-            server = stack.enter_context(private_redis())
-            envs = [{**extra_env, "REDIS_URL": server.database_url(db)} for db in (1, 2)]
-        compare_two(options, other_root, envs, pythons)
-
-
-def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[str, str]],
-                pythons: dict[str, str]) -> None:
-    """The body of compare_checkouts: each control plane with its own settings."""
-    rounds = options.rounds or (2 if options.quick else 4)
-    names = options.loads or ["paced-1", "paced-16", "unpaced-64"]
-    products = [ControlPlane(**envs[0]), OtherCheckout(other_root, envs[1])]
-    processes: list[subprocess.Popen[bytes]] = []
-    summary: list[str] = []
-    try:
-        if options.local:
-            for product in products:
-                for model, python in pythons.items():
-                    product.run_locally(model, python)
-        else:
-            paced, paced_url = start_engine(10.0, "fake")
-            unpaced, unpaced_url = start_engine(0.0, "fast")
-            processes += [paced, unpaced]
-            for product in products:
-                product.route("fake", paced_url)
-                product.route("fast", unpaced_url)
-        endpoints = [Endpoint(name, {"fake": p.url, "fast": p.url}, p.key,
-                              {"fake": p.process.pid, "fast": p.process.pid},
-                              f"{p.url}/metrics")
-                     for name, p in zip(("this", "other"), products, strict=True)]
-        for name in names:
-            load_ = LOADS.get(name) or profile_load(name)
-            this, other = interleave(load_, endpoints, rounds)
-            print(f"{name}: {load_.streams} streams x {load_.tokens} tokens, {rounds} "
-                  f"interleaved rounds | this: {this.cpu_per_event_us:.1f} us CPU/event, "
-                  f"{this.cpu_per_request_ms:.3f} ms CPU/request, "
-                  f"TTFT p50 {this.ttft_p50():.2f} ms, {this.rate:,.0f} tok/s | other: "
-                  f"{other.cpu_per_event_us:.1f} us CPU/event, "
-                  f"{other.cpu_per_request_ms:.3f} ms CPU/request, TTFT p50 "
-                  f"{other.ttft_p50():.2f} ms, {other.rate:,.0f} tok/s | CPU/event ratio "
-                  f"this/other {this.cpu_per_event_us / other.cpu_per_event_us:.3f} | "
-                  f"cycle collections per 100 requests "
-                  f"{this.collections_per_100_requests:.1f}/"
-                  f"{other.collections_per_100_requests:.1f} | "
-                  f"errors {this.errors}/{other.errors}", flush=True)
-            summary.append(f"{name}: CPU/event x"
-                           f"{this.cpu_per_event_us / other.cpu_per_event_us:.3f} "
-                           f"({this.cpu_per_event_us:.1f} vs {other.cpu_per_event_us:.1f} us)")
-    finally:
-        for product in products:
-            product.stop()
-        for process in processes:
-            process.kill()
-    print(f"gateway overhead against {other_root}"
-          f"{' (local replicas)' if options.local else ''}"
-          f"{' (Redis)' if options.redis else ''}: " + "; ".join(summary))
 
 
 def router_executable(folder: Path) -> Path:
@@ -673,9 +416,6 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
             print("gateway overhead, vLLM: " + "; ".join(measure_vllm(product, processes, 1)))
 
 
-ROUTER = "vllm-router"
-
-
 def other_gateways(options: argparse.Namespace, extra_env: dict[str, str],
                    stack: contextlib.ExitStack) -> tuple[GatewayOnly | None,
                                                          GatewayWorkers | None]:
@@ -709,80 +449,6 @@ def controllers_idle(alone: GatewayOnly, seconds: float) -> float:
     """The gateway alone's controllers process: its CPU per second with no traffic."""
     controllers = Endpoint("controllers", {}, None, {"fake": alone.controllers.pid})
     return idle_burn([controllers], seconds)["fake"][0]
-
-
-def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds: int) -> None:
-    """One line per path as each load finishes, so a long run shows progress."""
-    direct = sides[0]
-    for endpoint, side in zip(endpoints, sides, strict=True):
-        print(f"{load_.name} ({load_.streams} x {load_.requests} x {load_.tokens} tokens, "
-              f"{rounds} rounds) {endpoint.name}: TTFT p50 {side.ttft(0.5):.2f} p99 "
-              f"{side.ttft(0.99):.2f} ms, {side.rate:,.0f} tok/s, ratio "
-              f"{side.rate / direct.rate:.3f}, "
-              + (f"{side.cpu_per_event_us:.1f} us CPU/event "
-                 f"({side.net_cpu_per_event_us:.1f} net of idle), " if endpoint.pids else "")
-              + f"burst {side.burst_ms:.1f} ms with the machine {side.burst_cores:.2f} of "
-              f"{os.cpu_count()} cores busy, errors {side.errors}", flush=True)
-
-
-def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: int) -> None:
-    """The markdown table, then the targets (each gateway path against the router, same
-    run)."""
-    print(f"\n{rounds} interleaved rounds per load; added TTFT is the path's percentile "
-          f"minus the direct one; CPU per relayed event is the path's process (user + "
-          f"system, every thread, children included) over its own rounds; net: less its "
-          f"CPU with no traffic over as long.\n")
-    print("| load | path | TTFT p50 / p99 | added TTFT p50 / p99 | tokens/s | ratio | "
-          "CPU per event (net) | errors |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    # Per gateway path, per target, the rows that miss it.
-    misses: dict[str, dict[str, list[str]]] = {}
-    for load_, endpoints, sides in results:
-        direct = sides[0]
-        for endpoint, side in zip(endpoints, sides, strict=True):
-            added = (f"{side.ttft(0.5) - direct.ttft(0.5):+.1f} / "
-                     f"{side.ttft(0.99) - direct.ttft(0.99):+.1f} ms"
-                     if endpoint.name != "direct" else "")
-            cpu = (f"{side.cpu_per_event_us:.1f} µs ({side.net_cpu_per_event_us:.1f})"
-                   if endpoint.pids else "")
-            print(f"| {load_.name} | {endpoint.name} | {side.ttft(0.5):.1f} / "
-                  f"{side.ttft(0.99):.1f} ms | {added} | {side.rate:,.0f} | "
-                  f"{side.rate / direct.rate:.3f} | {cpu} | {side.errors} |")
-        names = [endpoint.name for endpoint in endpoints]
-        if ROUTER not in names:
-            continue
-        router = sides[names.index(ROUTER)]
-        for endpoint, side in zip(endpoints[1:], sides[1:], strict=True):
-            if endpoint.name != ROUTER:
-                check_targets(load_.name, direct, side, router, misses.setdefault(
-                    endpoint.name, {"ttft": [], "ratio": [], "cpu": []}))
-    print()
-    if not misses:
-        print("targets: not judged (no vllm-router in this run)")
-        return
-    rows = len(results)
-    for path, missed in misses.items():
-        for key, text in (("ttft", "added TTFT p50 within the router's + 2 ms on every row"),
-                          ("ratio", "throughput ratio at least the router's on every row"),
-                          ("cpu", "CPU per relayed event at most the router's on every row")):
-            verdict = "MISSED" if missed[key] else "met"
-            detail = "; ".join(missed[key]) if missed[key] else f"{rows} of {rows} rows"
-            print(f"target ({path}): {text}: {verdict} ({detail})")
-
-
-def check_targets(name: str, direct: Side, gateway: Side, router: Side,
-                  misses: dict[str, list[str]]) -> None:
-    """Adds this row to `misses` for each target of the gateway it misses."""
-    gateway_added = gateway.ttft(0.5) - direct.ttft(0.5)
-    router_added = router.ttft(0.5) - direct.ttft(0.5)
-    if gateway_added > router_added + 2.0:
-        misses["ttft"].append(f"{name}: {gateway_added:+.1f} against {router_added:+.1f} ms")
-    if gateway.rate < router.rate:
-        misses["ratio"].append(f"{name}: {gateway.rate / direct.rate:.4f} against "
-                               f"{router.rate / direct.rate:.4f}")
-    if gateway.cpu_per_event_us > router.cpu_per_event_us:
-        misses["cpu"].append(f"{name}: {gateway.cpu_per_event_us:.1f} against "
-                             f"{router.cpu_per_event_us:.1f} µs")
 
 
 def start_vllm(*, eager: bool) -> tuple[subprocess.Popen[bytes], str]:
@@ -821,111 +487,6 @@ def measure_vllm(product: ControlPlane, processes: list[subprocess.Popen[bytes]]
         results.append(f"vLLM {streams}: +{through.p(0.5) - direct.p(0.5):.1f} ms, "
                        f"x{through.rate / direct.rate:.3f}")
     return results
-
-
-def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
-    """py-spy on the gateway process while --profile-load goes through it (128 paced
-    streams unless told): every thread's active stacks, 100 a second, as raw collapsed
-    stacks into --profile; then where the time goes, and the gateway's CPU per request and
-    per event over one round of the same load without the sampler."""
-    py_spy = router_executable(Path(options.router_env)).parent / "py-spy"
-    load_ = options.profile_load
-    product = ControlPlane(**extra_env)
-    engine: subprocess.Popen[bytes] | None = None
-    stop = threading.Event()
-    try:
-        engine, engine_url = start_engine(10.0 if load_.model == "fake" else 0.0, load_.model)
-        product.route(load_.model, engine_url)
-        url, model, key = product.url, load_.model, product.key
-        asyncio.run(load(url, model, load_.streams, 1, key, 1))  # warm pools
-
-        def drive() -> None:
-            while not stop.is_set():
-                asyncio.run(load(url, model, load_.streams, load_.tokens, key, load_.requests))
-
-        driver = threading.Thread(target=drive, daemon=True)
-        driver.start()
-        time.sleep(2)  # let the streams reach their steady state first
-        gateway = Endpoint("gateway", {}, None, {model: product.process.pid})
-        before, started = gateway.cpu_seconds(model), time.monotonic()
-        subprocess.run([str(py_spy), "record", "--pid", str(product.process.pid),
-                        "--duration", str(options.profile_seconds), "--rate", "100",
-                        "--format", "raw", "--threads",
-                        # C frames (uvloop, the interpreter) need the process paused.
-                        *(["--native"] if options.profile_native else ["--nonblocking"]),
-                        "--output", options.profile], check=True,
-                       stdout=subprocess.DEVNULL)
-        busy = (gateway.cpu_seconds(model) - before) / (time.monotonic() - started)
-        stop.set()
-        driver.join(timeout=60)
-        unsampled = interleave(load_, [replace(gateway, urls={model: url}, key=key)], 1)[0]
-    finally:
-        stop.set()
-        product.stop()
-        if engine is not None:
-            engine.kill()
-    print(f"{load_.name}: gateway process CPU while sampled: {busy:.0%} of one core; "
-          f"without the sampler, {unsampled.cpu_per_request_ms:.3f} ms per request, "
-          f"{unsampled.cpu_per_event_us:.1f} us per event ({unsampled.requests} requests, "
-          f"{unsampled.events} events)")
-    print(summarize_profile(Path(options.profile), options.profile_seconds))
-
-
-def profile_idle(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
-    """py-spy on the gateway process with no traffic at all (the embedded controllers,
-    collector and load watcher, two external deployments of fake engines routed): every
-    thread's active stacks, 1,000 a second for --profile-seconds, into --profile; then its
-    CPU over the window and where the time goes."""
-    py_spy = router_executable(Path(options.router_env)).parent / "py-spy"
-    product = ControlPlane(**extra_env)
-    engines: list[subprocess.Popen[bytes]] = []
-    try:
-        for model, interval in (("fake", 10.0), ("fast", 0.0)):
-            engine, engine_url = start_engine(interval, model)
-            engines.append(engine)
-            product.route(model, engine_url)
-        time.sleep(10)  # past the first passes that follow the routes' creation
-        gateway = Endpoint("gateway", {}, None, {"fake": product.process.pid})
-        before, started = gateway.cpu_seconds("fake"), time.monotonic()
-        subprocess.run([str(py_spy), "record", "--pid", str(product.process.pid),
-                        "--duration", str(options.profile_seconds), "--rate", "1000",
-                        "--format", "raw", "--threads", "--nonblocking",
-                        "--output", options.profile], check=True, stdout=subprocess.DEVNULL)
-        busy = (gateway.cpu_seconds("fake") - before) / (time.monotonic() - started)
-    finally:
-        product.stop()
-        for engine in engines:
-            engine.kill()
-    print(f"idle: gateway process CPU while sampled: {busy:.2%} of one core")
-    print(summarize_profile(Path(options.profile), options.profile_seconds, 1000))
-
-
-def profile_load(text: str) -> Load:
-    """`--profile-load (paced|unpaced)-STREAMS[xTOKENS]`, e.g. paced-128 or unpaced-128x1."""
-    match = re.fullmatch(r"(paced|unpaced)-(\d+)(?:x(\d+))?", text.strip())
-    if not match or int(match.group(2)) < 1 or int(match.group(3) or 256) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected paced-N or unpaced-N, "
-                                         f"optionally xTOKENS (e.g. unpaced-128x1)")
-    paced, streams, tokens = match.group(1) == "paced", int(match.group(2)), int(
-        match.group(3) or 256)
-    # A round of about a second or more, so the unsampled figure is not a few ms long.
-    requests = 1 if paced else max(1, 256 * 64 * 8 // (streams * tokens))
-    requests = min(requests, max(1, 4096 // streams))
-    return Load(text, "paced 10 ms/token" if paced else "unpaced", "fake" if paced else "fast",
-                streams, requests, tokens)
-
-
-def load_names(text: str) -> list[str]:
-    """`--loads paced-128,unpaced-64`: names from LOADS, or (for --compare-with) any load
-    --profile-load takes, e.g. unpaced-128x1; refused otherwise."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in LOADS
-               and not re.fullmatch(r"(paced|unpaced)-\d+(x\d+)?", name)]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown load {', '.join(unknown) or text!r}; "
-                                         f"known: {', '.join(LOADS)}, or (paced|unpaced)-"
-                                         f"STREAMS[xTOKENS] with --compare-with")
-    return names
 
 
 def main() -> None:
@@ -983,10 +544,16 @@ def main() -> None:
         parser.error("--local goes with --compare-with")
     extra_env = dict(item.split("=", 1) for item in options.env)
     if options.compare_with:
+        from bench.gateway_compare import compare_checkouts
+
         compare_checkouts(options, extra_env)
     elif options.profile and options.profile_idle:
+        from bench.gateway_profile import profile_idle
+
         profile_idle(options, extra_env)
     elif options.profile:
+        from bench.gateway_profile import profile_gateway
+
         profile_gateway(options, extra_env)
     else:
         side_by_side(options, extra_env)

@@ -1,0 +1,300 @@
+"""The paths a load is sent down and their figures, for bench/gateway_overhead.py and the
+benchmarks built on it: the loads, an endpoint (a path: the engines themselves, a gateway
+or a router, and the process that relays it), each path's figures over interleaved rounds
+(TTFT, tokens/s, CPU per relayed event and per request, collections of the cycle
+collector), the rounds themselves, and the printed rows, table and targets."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from bench.stream_load import Run, load
+
+
+@dataclass(frozen=True)
+class Load:
+    """One load of the side-by-side table: `streams` clients, each sending `requests`
+    streamed completions of `tokens` tokens one after another per round."""
+
+    name: str
+    label: str
+    model: str  # "fake": the paced engine; "fast": the unpaced one
+    streams: int
+    requests: int
+    tokens: int = 256
+
+
+LOADS = {load.name: load for load in (
+    Load("paced-1", "paced 10 ms/token", "fake", 1, 2),
+    Load("paced-16", "paced 10 ms/token", "fake", 16, 1),
+    Load("paced-128", "paced 10 ms/token", "fake", 128, 1),
+    # Unpaced rounds repeat requests so that a round lasts about a second, not a few ms.
+    Load("unpaced-1", "unpaced", "fast", 1, 50),
+    Load("unpaced-64", "unpaced", "fast", 64, 8),
+)}
+
+
+@dataclass
+class Endpoint:
+    """One path to the engines: the engines themselves, the gateway or the routers."""
+
+    name: str
+    urls: dict[str, str]  # model -> base URL
+    key: str | None
+    pids: dict[str, int]  # model -> the process that relays it; none for the engine
+    metrics: str | None = None  # the control plane's /metrics, where it has one
+
+    def collections(self) -> int:
+        """The cycle collector's runs in the relaying process so far (every generation),
+        from its /metrics (python_gc_collections_total); 0 without one."""
+        if self.metrics is None:
+            return 0
+        text = httpx.get(self.metrics, timeout=10).text
+        return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+                   if line.startswith("python_gc_collections_total{"))
+
+    def cpu_seconds(self, model: str) -> float:
+        """User + system CPU of the process relaying `model` and its children (every
+        thread) so far; 0 for the engine itself."""
+        import psutil
+
+        if model not in self.pids:
+            return 0.0
+        total = 0.0
+        process = psutil.Process(self.pids[model])
+        for member in (process, *helpers_of(process)):
+            with contextlib.suppress(psutil.Error):
+                times = member.cpu_times()
+                total += times.user + times.system
+        return total
+
+
+@dataclass
+class Side:
+    """One path's figures over the interleaved rounds of one load."""
+
+    runs: list[Run]
+    cpu: float  # seconds of the path's process CPU over its rounds
+    idle: float = 0.0  # the process's CPU per second with no traffic (its background)
+    collections: int = 0  # the cycle collector's runs in the process over its rounds
+
+    @property
+    def requests(self) -> int:
+        """Requests answered over every round."""
+        return sum(len(run.ttfts) for run in self.runs)
+
+    @property
+    def collections_per_100_requests(self) -> float:
+        return self.collections / max(1, self.requests) * 100
+
+    @property
+    def events(self) -> int:
+        """Events relayed over every round."""
+        return sum(run.tokens for run in self.runs)
+
+    @property
+    def errors(self) -> int:
+        return sum(run.errors for run in self.runs)
+
+    @property
+    def cpu_per_event_us(self) -> float:
+        """Microseconds of the process's CPU per relayed event."""
+        return self.cpu / max(1, self.events) * 1e6
+
+    @property
+    def cpu_per_request_ms(self) -> float:
+        """Milliseconds of the process's CPU per request answered."""
+        return self.cpu / max(1, self.requests) * 1e3
+
+    @property
+    def net_cpu_per_event_us(self) -> float:
+        """The same, less what the process burns with no traffic over as long."""
+        seconds = sum(run.seconds for run in self.runs)
+        return max(0.0, self.cpu - self.idle * seconds) / max(1, self.events) * 1e6
+
+    @property
+    def burst_cores(self) -> float:
+        """Cores the whole machine kept busy, on average, from each round's start until
+        every stream had its first token (the burst the TTFT is measured over)."""
+        seconds = sum(run.burst_seconds for run in self.runs)
+        return sum(run.burst_busy for run in self.runs) / seconds if seconds else 0.0
+
+    @property
+    def burst_ms(self) -> float:
+        """The burst's mean length, in ms."""
+        return sum(run.burst_seconds for run in self.runs) / max(1, len(self.runs)) * 1e3
+
+    def ttft(self, q: float) -> float:
+        """A TTFT percentile over every round, in ms."""
+        return Run([t for run in self.runs for t in run.ttfts], 0, 1, 0).p(q)
+
+    def ttft_p50(self) -> float:
+        return self.ttft(0.5)
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second over every round."""
+        return sum(run.tokens for run in self.runs) / sum(run.seconds for run in self.runs)
+
+
+def helpers_of(process: object) -> list[object]:
+    """A relaying process's own children (the collector's parser), every level down, but
+    not the replicas a control plane runs (they carry FLEETPLANE_REPLICA in their
+    environment) nor anything below them: those are engines, not relaying."""
+    import psutil
+
+    assert isinstance(process, psutil.Process)
+    found: list[object] = []
+    with contextlib.suppress(psutil.Error):
+        for child in process.children():
+            with contextlib.suppress(psutil.Error):
+                if "FLEETPLANE_REPLICA" not in child.environ():
+                    found += [child, *helpers_of(child)]
+    return found
+
+
+def idle_burn(endpoints: list[Endpoint], seconds: float) -> dict[str, list[float]]:
+    """Per model, each endpoint's process CPU per second while nothing is sent (one window
+    for all)."""
+    models = ("fake", "fast")
+    before = {model: [endpoint.cpu_seconds(model) for endpoint in endpoints]
+              for model in models}
+    started = time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - started
+    return {model: [(endpoint.cpu_seconds(model) - was) / elapsed
+                    for endpoint, was in zip(endpoints, before[model], strict=True)]
+            for model in models}
+
+
+def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
+               idle: list[float] | None = None) -> list[Side]:
+    """The same load sent to each endpoint in turn, `rounds` times (A, B, C, A, B, C ...),
+    each endpoint's process CPU counted over its own rounds only."""
+    for endpoint in endpoints:  # warm connection pools at the measured concurrency
+        asyncio.run(load(endpoint.urls[load_.model], load_.model, load_.streams, 8,
+                         endpoint.key, 1))
+    sides = [Side([], 0.0, rate) for rate in idle or [0.0] * len(endpoints)]
+    for _ in range(rounds):
+        for endpoint, side in zip(endpoints, sides, strict=True):
+            collected = endpoint.collections()
+            before = endpoint.cpu_seconds(load_.model)
+            side.runs.append(asyncio.run(load(endpoint.urls[load_.model], load_.model,
+                                              load_.streams, load_.tokens, endpoint.key,
+                                              load_.requests)))
+            side.cpu += endpoint.cpu_seconds(load_.model) - before
+            side.collections += endpoint.collections() - collected
+    return sides
+
+
+ROUTER = "vllm-router"
+
+
+def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds: int) -> None:
+    """One line per path as each load finishes, so a long run shows progress."""
+    direct = sides[0]
+    for endpoint, side in zip(endpoints, sides, strict=True):
+        print(f"{load_.name} ({load_.streams} x {load_.requests} x {load_.tokens} tokens, "
+              f"{rounds} rounds) {endpoint.name}: TTFT p50 {side.ttft(0.5):.2f} p99 "
+              f"{side.ttft(0.99):.2f} ms, {side.rate:,.0f} tok/s, ratio "
+              f"{side.rate / direct.rate:.3f}, "
+              + (f"{side.cpu_per_event_us:.1f} us CPU/event "
+                 f"({side.net_cpu_per_event_us:.1f} net of idle), " if endpoint.pids else "")
+              + f"burst {side.burst_ms:.1f} ms with the machine {side.burst_cores:.2f} of "
+              f"{os.cpu_count()} cores busy, errors {side.errors}", flush=True)
+
+
+def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: int) -> None:
+    """The markdown table, then the targets (each gateway path against the router, same
+    run)."""
+    print(f"\n{rounds} interleaved rounds per load; added TTFT is the path's percentile "
+          f"minus the direct one; CPU per relayed event is the path's process (user + "
+          f"system, every thread, children included) over its own rounds; net: less its "
+          f"CPU with no traffic over as long.\n")
+    print("| load | path | TTFT p50 / p99 | added TTFT p50 / p99 | tokens/s | ratio | "
+          "CPU per event (net) | errors |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    # Per gateway path, per target, the rows that miss it.
+    misses: dict[str, dict[str, list[str]]] = {}
+    for load_, endpoints, sides in results:
+        direct = sides[0]
+        for endpoint, side in zip(endpoints, sides, strict=True):
+            added = (f"{side.ttft(0.5) - direct.ttft(0.5):+.1f} / "
+                     f"{side.ttft(0.99) - direct.ttft(0.99):+.1f} ms"
+                     if endpoint.name != "direct" else "")
+            cpu = (f"{side.cpu_per_event_us:.1f} µs ({side.net_cpu_per_event_us:.1f})"
+                   if endpoint.pids else "")
+            print(f"| {load_.name} | {endpoint.name} | {side.ttft(0.5):.1f} / "
+                  f"{side.ttft(0.99):.1f} ms | {added} | {side.rate:,.0f} | "
+                  f"{side.rate / direct.rate:.3f} | {cpu} | {side.errors} |")
+        names = [endpoint.name for endpoint in endpoints]
+        if ROUTER not in names:
+            continue
+        router = sides[names.index(ROUTER)]
+        for endpoint, side in zip(endpoints[1:], sides[1:], strict=True):
+            if endpoint.name != ROUTER:
+                check_targets(load_.name, direct, side, router, misses.setdefault(
+                    endpoint.name, {"ttft": [], "ratio": [], "cpu": []}))
+    print()
+    if not misses:
+        print("targets: not judged (no vllm-router in this run)")
+        return
+    rows = len(results)
+    for path, missed in misses.items():
+        for key, text in (("ttft", "added TTFT p50 within the router's + 2 ms on every row"),
+                          ("ratio", "throughput ratio at least the router's on every row"),
+                          ("cpu", "CPU per relayed event at most the router's on every row")):
+            verdict = "MISSED" if missed[key] else "met"
+            detail = "; ".join(missed[key]) if missed[key] else f"{rows} of {rows} rows"
+            print(f"target ({path}): {text}: {verdict} ({detail})")
+
+
+def check_targets(name: str, direct: Side, gateway: Side, router: Side,
+                  misses: dict[str, list[str]]) -> None:
+    """Adds this row to `misses` for each target of the gateway it misses."""
+    gateway_added = gateway.ttft(0.5) - direct.ttft(0.5)
+    router_added = router.ttft(0.5) - direct.ttft(0.5)
+    if gateway_added > router_added + 2.0:
+        misses["ttft"].append(f"{name}: {gateway_added:+.1f} against {router_added:+.1f} ms")
+    if gateway.rate < router.rate:
+        misses["ratio"].append(f"{name}: {gateway.rate / direct.rate:.4f} against "
+                               f"{router.rate / direct.rate:.4f}")
+    if gateway.cpu_per_event_us > router.cpu_per_event_us:
+        misses["cpu"].append(f"{name}: {gateway.cpu_per_event_us:.1f} against "
+                             f"{router.cpu_per_event_us:.1f} µs")
+
+
+def profile_load(text: str) -> Load:
+    """`--profile-load (paced|unpaced)-STREAMS[xTOKENS]`, e.g. paced-128 or unpaced-128x1."""
+    match = re.fullmatch(r"(paced|unpaced)-(\d+)(?:x(\d+))?", text.strip())
+    if not match or int(match.group(2)) < 1 or int(match.group(3) or 256) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected paced-N or unpaced-N, "
+                                         f"optionally xTOKENS (e.g. unpaced-128x1)")
+    paced, streams, tokens = match.group(1) == "paced", int(match.group(2)), int(
+        match.group(3) or 256)
+    # A round of about a second or more, so the unsampled figure is not a few ms long.
+    requests = 1 if paced else max(1, 256 * 64 * 8 // (streams * tokens))
+    requests = min(requests, max(1, 4096 // streams))
+    return Load(text, "paced 10 ms/token" if paced else "unpaced", "fake" if paced else "fast",
+                streams, requests, tokens)
+
+
+def load_names(text: str) -> list[str]:
+    """`--loads paced-128,unpaced-64`: names from LOADS, or (for --compare-with) any load
+    --profile-load takes, e.g. unpaced-128x1; refused otherwise."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in LOADS
+               and not re.fullmatch(r"(paced|unpaced)-\d+(x\d+)?", name)]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown load {', '.join(unknown) or text!r}; "
+                                         f"known: {', '.join(LOADS)}, or (paced|unpaced)-"
+                                         f"STREAMS[xTOKENS] with --compare-with")
+    return names
