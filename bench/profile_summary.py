@@ -2,13 +2,16 @@
 (`py-spy record --format raw --threads`, active samples only): each line is
 `thread (TID): NAME;frame;frame ... COUNT`, a frame `function (path:line)`.
 
-    .venv/bin/python bench/profile_summary.py PATH [SECONDS] [RATE]
+    .venv/bin/python bench/profile_summary.py PATH [SECONDS] [RATE] [--thread NAME]
+
+With --thread (e.g. MainThread, the event loop's), only that thread's samples, each share
+of them.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -68,11 +71,12 @@ def table(title: str, counts: Counter[str], total: int, top: int) -> list[str]:
 
 
 def summarize_profile(path: Path, seconds: float | None = None, rate: int = 100,
-                      top: int = 15) -> str:
+                      top: int = 15, thread: str | None = None) -> str:
     """Active samples per thread (and its share of the wall time when `seconds` is given),
     then the leaf functions, their packages, the project code they run under and every
-    function's inclusive share (the stages of a request, each with what it calls)."""
-    stacks = parse(path)
+    function's inclusive share (the stages of a request, each with what it calls); with
+    `thread`, that thread's samples only."""
+    stacks = [stack for stack in parse(path) if thread is None or stack[0] == thread]
     total = sum(count for _, _, count in stacks) or 1
     threads: Counter[str] = Counter()
     leaves: Counter[str] = Counter()
@@ -100,6 +104,11 @@ def summarize_profile(path: Path, seconds: float | None = None, rate: int = 100,
 
 
 if __name__ == "__main__":
-    print(summarize_profile(Path(sys.argv[1]),
-                            float(sys.argv[2]) if len(sys.argv) > 2 else None,
-                            int(sys.argv[3]) if len(sys.argv) > 3 else 100))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path)
+    parser.add_argument("seconds", type=float, nargs="?")
+    parser.add_argument("rate", type=int, nargs="?", default=100)
+    parser.add_argument("--thread", help="one thread's samples only (its name)")
+    options = parser.parse_args()
+    print(summarize_profile(options.path, options.seconds, options.rate,
+                            thread=options.thread))
