@@ -187,8 +187,12 @@ def test_usage_records_add_up_to_the_engines_token_counters(
     assert prompt_recorded + prompt_twice == prompt_after - prompt_before
     ahead = generation_after - generation_before - completion_recorded
     assert 0 <= ahead <= AHEAD_TOKENS * len(ids["left"])
-    # The streams left were cut off: charged for a few tokens, not what they asked for.
-    assert all(by_id[i].completion_tokens < ABORTED_MAX_TOKENS / 4  # type: ignore[operator]
+    # The streams left were cut off: charged for what was relayed before the client left,
+    # not for the ABORTED_MAX_TOKENS they asked for (ignore_eos: the engine would have made
+    # them all). Not "a few": when the engine's server falls behind its engine it merges
+    # the tokens waiting into one chunk, so three chunks can carry dozens of tokens (a CI
+    # run saw the server stall 4 s and a stream left after three chunks be charged 50 or more).
+    assert all(0 < by_id[i].completion_tokens < ABORTED_MAX_TOKENS  # type: ignore[operator]
                for i in ids["left"])
     print(f"records: {len(records)}, prompt tokens {prompt_recorded}, completion tokens "
           f"{completion_recorded}; engine: prompt +{prompt_after - prompt_before:.0f}, "
