@@ -148,6 +148,16 @@ class GatewayReading:
         return cls(in_flight=read.pop("_in_flight", {}), queued=read.pop("_queued", {}),
                    queue_wait=read.pop("_queue_wait", {}), rates=read, idle=idle)
 
+    def rates_of(self, deployment: str) -> dict[str, float | None]:
+        """The deployment's request and error rates (since the last pass, and over the
+        summary window); where the gateway has counted no request for it, `idle` for each
+        (0 with the gateway in this process: it has answered none)."""
+        found = self.rates.get(deployment)
+        if found is not None:
+            return found
+        return dict.fromkeys(("requests_per_s", "error_rate", "window_requests_per_s",
+                              "window_error_rate"), self.idle)
+
     def now(self, deployment: str) -> dict[str, float | None]:
         """In flight, queued and the queue's estimated wait for this deployment."""
         return {"in_flight": self.in_flight.get(deployment, self.idle),
@@ -213,7 +223,7 @@ class MetricsStore:
         """The deployment's update of this pass (its summary, its own sample, its
         replicas' samples); the deployment's own sample joins its series."""
         samples = [r["sample"] for r in replicas if r["role"] != "standby"]
-        gate = gateway.rates.get(name, {})
+        gate = gateway.rates_of(name)
         now = gateway.now(name)
         # The deployment's own series: the gateway's figures and the replica counts
         # (the autoscaler's decisions, charted on the deployment's dashboard).

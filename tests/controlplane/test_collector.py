@@ -81,6 +81,9 @@ async def test_a_pass_scrapes_every_live_replica_and_pushes_updates(
     assert figures.waiting is not None and figures.running is not None
     assert figures.kv_cache is not None and figures.tokens_per_s is not None
     assert figures.gateway_in_flight == 0  # the gateway is in this process, with nothing
+    # Its engine made tokens, but the gateway (in this process) answered no request for
+    # it: 0 requests/s and no errors, not unknown.
+    assert summary["requests_per_s"] == 0 and summary["error_rate"] == 0
     await layer.receive(demo_channel)
     update = orjson.loads((await layer.receive(demo_channel))["text"])
     assert update["type"] == "update" and update["deployment"] == "demo"
