@@ -20,20 +20,20 @@ cd "$(dirname "$0")/.."
 DIR=.offline
 ROUTER_VERSION=$(sed -n 's/^ROUTER_VERSION = "\(.*\)"/\1/p' bench/gateway_overhead.py)
 # What bench/gateway_overhead.py imports, directly or through the product.
-NEEDS="django djangorestframework drf-spectacular drf-spectacular-sidecar django-stubs-ext
-whitenoise channels channels-redis uvicorn[standard] prometheus-client redis hiredis httpx
-httptools orjson psutil pyyaml cryptography tqdm aiohttp pytest huggingface_hub"
+NEEDS=(django djangorestframework drf-spectacular drf-spectacular-sidecar django-stubs-ext
+       whitenoise channels channels-redis "uvicorn[standard]" prometheus-client redis hiredis
+       httpx httptools orjson psutil pyyaml cryptography tqdm aiohttp pytest huggingface_hub)
 
 pack() {
     local version=${1:-3.12}
+    [ -x .venv/bin/pip ] || { echo "no .venv here: run make setup first" >&2; exit 1; }
     tmp=$(mktemp -d)  # global: the trap runs after the function has returned
     trap 'rm -rf "$tmp"' EXIT
     rm -rf "$DIR" && mkdir -p "$DIR/pool" "$DIR/redis"
     echo "== the benchmark's packages at this checkout's versions"
     .venv/bin/pip freeze --exclude-editable >"$tmp/pins.txt"
     python3 -m venv "$tmp/app" && python3 -m venv "$tmp/router"
-    # shellcheck disable=SC2086
-    "$tmp/app/bin/pip" install -q --disable-pip-version-check -c "$tmp/pins.txt" $NEEDS
+    "$tmp/app/bin/pip" install -q --disable-pip-version-check -c "$tmp/pins.txt" "${NEEDS[@]}"
     "$tmp/router/bin/pip" install -q --disable-pip-version-check "vllm-router==$ROUTER_VERSION"
     local skip="pip setuptools ${SKIP:-}" name
     "$tmp/app/bin/pip" freeze >"$tmp/all.txt"
