@@ -125,6 +125,8 @@ if __name__ == "__main__":
                         help="also N checks issued at once: how long they wait")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/5")
     options = parser.parse_args()
+    if options.burst < 0:
+        parser.error("--burst takes 0 (none) or more checks")
     import uvloop
 
     uvloop.run(main(options))
