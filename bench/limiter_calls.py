@@ -4,10 +4,12 @@ installed) and by the project's own client (serving/redis_script.py: one pipelin
 connection, hiredis), in interleaved rounds (A, B, A, B), one call at a time and 16 at
 once. The figure is this process's CPU time (user + system) per call: what a gateway
 process spends per rate-limited request on each check, and again on each charge.
-With --burst N, also how long N checks issued at once (a burst of requests at a gateway
-whose limits are in Redis) wait for their replies on the project's client, the median
-reply's and the last's, and Redis's own time per script call (its INFO commandstats,
-read before and after).
+With --burst N, also N checks issued at once through the limiter (a burst of requests at
+a gateway whose limits are in Redis), each check its own script call and the checks of
+one turn of the event loop in one call (serving/ratelimit.py's RedisLimiter as it runs),
+in interleaved bursts: how long they wait for their replies (the median reply's and the
+last's), this process's CPU per check and Redis's own time per check (its INFO
+commandstats, read around each burst).
 
     .venv/bin/python bench/limiter_calls.py [--calls 2000] [--rounds 4] [--burst N]
         [--redis URL]
@@ -31,12 +33,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from serving.ratelimit import SCRIPT  # noqa: E402
+from serving.ratelimit import SCRIPT, Limit, RedisLimiter  # noqa: E402
 from serving.redis_clients import for_event_loop  # noqa: E402
 from serving.redis_script import ScriptClient  # noqa: E402
 
 Call = Callable[[list[str], list[str]], Awaitable[Any]]
-ARGS = ["admit", "0.0006", "1.0", "0.00003", "10.0"]  # a request: 1 of 1,666, 10 tokens
+# A request: 1 of 100,000 a minute and 10 tokens of 2,000,000 (one check of two buckets).
+ARGS = ["admit", "2", "0.0006", "1.0", "0.00003", "10.0"]
 
 
 async def cpu_per_call(call: Call, keys: list[str], calls: int, concurrency: int) -> float:
@@ -51,21 +54,18 @@ async def cpu_per_call(call: Call, keys: list[str], calls: int, concurrency: int
     return (time.process_time() - started) / calls * 1e6
 
 
-async def burst_wait(call: Call, keys: list[str], size: int, bursts: int
-                     ) -> tuple[float, float]:
-    """Milliseconds from a burst's start until its median reply and its last (medians over
-    `bursts` bursts), `size` checks issued at once."""
+async def one_burst(limiter: RedisLimiter, limits: list[Limit], size: int
+                    ) -> tuple[list[float], float]:
+    """Seconds from the burst's start until each reply, sorted, and this process's CPU
+    seconds for the burst (`size` checks issued at once)."""
     async def check(started: float) -> float:
-        await call(keys, ARGS)
+        await limiter.admit(limits)
         return time.perf_counter() - started
 
-    medians, lasts = [], []
-    for _ in range(bursts):
-        started = time.perf_counter()
-        replies = sorted(await asyncio.gather(*(check(started) for _ in range(size))))
-        medians.append(replies[len(replies) // 2])
-        lasts.append(replies[-1])
-    return statistics.median(medians) * 1e3, statistics.median(lasts) * 1e3
+    cpu = time.process_time()
+    started = time.perf_counter()
+    replies = sorted(await asyncio.gather(*(check(started) for _ in range(size))))
+    return replies, time.process_time() - cpu
 
 
 async def script_time(pooled: Any) -> tuple[float, float]:
@@ -99,13 +99,7 @@ async def main(options: argparse.Namespace) -> None:
             f"{name} {us:.1f} us CPU per call" for name, us in figures.items())
               + f" (ratio {figures['own client'] / figures['redis-py']:.2f})", flush=True)
     if options.burst:
-        calls_before, usec_before = await script_time(pooled)
-        median, last = await burst_wait(own.run, keys, options.burst, 20)
-        calls_after, usec_after = await script_time(pooled)
-        per_call = (usec_after - usec_before) / max(1.0, calls_after - calls_before)
-        print(f"{options.burst} checks at once (own client, medians of 20 bursts): the "
-              f"median reply {median:.2f} ms and the last {last:.2f} ms after the burst's "
-              f"start; Redis's own time {per_call:.1f} us per script call", flush=True)
+        await burst_figures(options, pooled, prefix)
     await pooled.delete(*keys)
     await pooled.aclose()
     await own.close()
@@ -115,6 +109,39 @@ async def main(options: argparse.Namespace) -> None:
           f"{one['own client']:.1f} us one at a time, {many['redis-py']:.1f} -> "
           f"{many['own client']:.1f} us 16 at once ({options.rounds} interleaved rounds of "
           f"{options.calls} calls)")
+
+
+async def burst_figures(options: argparse.Namespace, pooled: Any, prefix: str) -> None:
+    """--burst N: each check its own script call against the checks of one turn in one
+    call, 20 bursts each, interleaved."""
+    limits = [Limit("requests", prefix + "burst:rpm", 100_000, 1),
+              Limit("tokens", prefix + "burst:tpm", 2_000_000, 10)]
+    ways = {"one call per check": RedisLimiter(options.redis, most_per_call=1),
+            "one call per turn": RedisLimiter(options.redis)}
+    for limiter in ways.values():
+        await one_burst(limiter, limits, options.burst)  # warm: connected, script loaded
+    found: dict[str, dict[str, list[float]]] = {
+        name: {"median": [], "last": [], "cpu": [], "redis": []} for name in ways}
+    for _ in range(20):
+        for name, limiter in ways.items():
+            _, usec_before = await script_time(pooled)
+            replies, cpu = await one_burst(limiter, limits, options.burst)
+            _, usec_after = await script_time(pooled)
+            figures = found[name]
+            figures["median"].append(replies[len(replies) // 2] * 1e3)
+            figures["last"].append(replies[-1] * 1e3)
+            figures["cpu"].append(cpu / options.burst * 1e6)
+            figures["redis"].append((usec_after - usec_before) / options.burst)
+    for limiter in ways.values():
+        await limiter.close()
+    await pooled.delete(*(limit.bucket for limit in limits))
+    for name, figures in found.items():
+        median = {what: statistics.median(values) for what, values in figures.items()}
+        print(f"{options.burst} checks at once, {name} (medians of 20 interleaved "
+              f"bursts): the median reply {median['median']:.2f} ms and the last "
+              f"{median['last']:.2f} ms after the burst's start; {median['cpu']:.1f} us "
+              f"of this process's CPU and {median['redis']:.1f} us of Redis's per check",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,50 @@ def test_a_burst_of_requests_is_checked_not_refused_for_want_of_connections() ->
     asyncio.run(run())
 
 
+def test_checks_made_together_go_to_redis_in_one_call_and_are_judged_in_order() -> None:
+    """A burst's checks (made in one turn of the event loop) reach Redis as one script
+    call, not one each; each is judged after the ones made before it, as if sent one by
+    one: with room for 3, the first 3 of 5 pass and the last 2 are refused. At most
+    `most_per_call` checks go in a call."""
+    import redis
+
+    from tests.services import private_redis
+
+    def script_calls(url: str) -> int:
+        stats = redis.Redis.from_url(url).info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+                   for name in ("evalsha", "eval"))
+
+    async def run(url: str) -> None:
+        limiter = RedisLimiter(url, most_per_call=4)
+        await limiter.admit([Limit("requests", bucket(), 1000, 1)])  # connected, loaded
+        rpm = [Limit("requests", bucket(), 3, 1)]
+        before = script_calls(url)
+        verdicts = await asyncio.gather(*(limiter.admit(rpm) for _ in range(5)))
+        assert [v.allowed for v in verdicts] == [True, True, True, False, False]
+        assert script_calls(url) - before == 2  # 4 checks, then 1
+        assert [dict(v.headers())[b"x-ratelimit-remaining-requests"]
+                for v in verdicts] == [b"2", b"1", b"0", b"0", b"0"]
+        await limiter.close()
+
+    with private_redis() as server:
+        asyncio.run(run(server.url))
+
+
+def test_a_check_whose_caller_left_before_it_was_sent_charges_nothing() -> None:
+    async def run() -> None:
+        limiter = RedisLimiter(REDIS)
+        rpm = [Limit("requests", bucket(), 10, 1)]
+        left = asyncio.ensure_future(limiter.admit(rpm))
+        await asyncio.sleep(0)  # its check joined the turn's batch
+        left.cancel()
+        verdict = await limiter.admit(rpm)
+        assert dict(verdict.headers())[b"x-ratelimit-remaining-requests"] == b"9"
+        await limiter.close()
+
+    asyncio.run(run())
+
+
 def test_after_a_redis_restart_the_kept_connections_do_not_fail_checks() -> None:
     """Redis restarted: every connection the client kept is dead. The checks made right
     after are counted on new connections, none fails as if Redis were still away (each
