@@ -136,8 +136,9 @@ class MemoryLimiter:
 # before it. KEYS: every check's buckets, one check after the other. ARGV: per check its
 # mode, "admit", "peek" (check only) or "charge" (no check), its number of buckets, then
 # per bucket its interval and cost. Returns per check {allowed, retry_after, used...}.
-# Times are written to the microsecond (Lua's tostring keeps 14 digits: an epoch time
-# rounded to 0.1 ms, enough to refuse a check made in the same call that fits exactly).
+# Times are written to the microsecond: Lua's tostring keeps 14 digits, which rounds an
+# epoch time by up to 0.1 ms, and could refuse a later check in the same call that fits
+# exactly.
 SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -227,19 +228,21 @@ class RedisLimiter:
                 args += [repr(limit.interval), repr(float(limit.cost))]
         try:
             replies = await self.script.run(keys, args)
+            verdicts = [Verdict(bool(int(result[0])), float(result[1]),
+                                [float(v) for v in result[2:]], limits)
+                        for (_, limits, _), result in zip(checks, replies, strict=True)]
         except asyncio.CancelledError:
-            for _, _, verdict in checks:
-                verdict.cancel()
+            for _, _, waiting in checks:
+                waiting.cancel()
             raise
-        except Exception as exc:
-            for _, _, verdict in checks:
-                if not verdict.done():
-                    verdict.set_exception(exc)
+        except Exception as exc:  # no caller may wait for ever: each gets the error
+            for _, _, waiting in checks:
+                if not waiting.done():
+                    waiting.set_exception(exc)
             return
-        for (_, limits, verdict), result in zip(checks, replies, strict=True):
-            if not verdict.done():
-                verdict.set_result(Verdict(bool(int(result[0])), float(result[1]),
-                                           [float(v) for v in result[2:]], limits))
+        for (_, _, waiting), verdict in zip(checks, verdicts, strict=True):
+            if not waiting.done():
+                waiting.set_result(verdict)
 
     async def admit(self, limits: list[Limit], *, commit: bool = True) -> Verdict:
         """Check (and with `commit`, charge) every limit at once."""

@@ -170,6 +170,29 @@ def test_checks_made_together_go_to_redis_in_one_call_and_are_judged_in_order() 
         asyncio.run(run(server.url))
 
 
+def test_a_script_call_that_fails_fails_every_check_it_carried_and_none_waits_on() -> None:
+    """A bucket Redis holds garbage in makes the script fail: every check sent in that
+    call gets the error (the gateway answers 503 `limits_unavailable`), none is left
+    waiting; the next call, without that bucket, is judged."""
+    import redis
+    from redis.exceptions import ResponseError
+
+    from serving.ratelimit import REDIS_PREFIX
+
+    async def run() -> None:
+        limiter = RedisLimiter(REDIS)
+        spoilt, fine = bucket(), bucket()
+        redis.Redis.from_url(REDIS).set(REDIS_PREFIX + spoilt, "not a time")
+        outcomes = await asyncio.wait_for(asyncio.gather(
+            limiter.admit([Limit("requests", spoilt, 10, 1)]),
+            limiter.admit([Limit("requests", fine, 10, 1)]), return_exceptions=True), 5)
+        assert [type(outcome) for outcome in outcomes] == [ResponseError, ResponseError]
+        assert (await limiter.admit([Limit("requests", fine, 10, 1)])).allowed
+        await limiter.close()
+
+    asyncio.run(run())
+
+
 def test_a_check_whose_caller_left_before_it_was_sent_charges_nothing() -> None:
     async def run() -> None:
         limiter = RedisLimiter(REDIS)
