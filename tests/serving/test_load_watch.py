@@ -21,17 +21,31 @@ from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
 from serving.upstream import ConnectionPool
 from tests.endpoints import write_body
 
+# Marks the scrapes this file's tests make. The in-process gateway other tests start (a
+# session fixture) runs its own load watcher, which scrapes whatever table is published,
+# these tests' too: its scrapes are answered, not counted.
+SCRAPER_HEADER = "x-test-scraper"
+
+
+class MarkedPool(ConnectionPool):
+    """A connection pool whose GETs carry SCRAPER_HEADER."""
+
+    async def get_text(self, base_url: str, path: str,
+                       headers: tuple[tuple[str, str], ...] = ()) -> str:
+        return await super().get_text(base_url, path, (*headers, (SCRAPER_HEADER, "1")))
+
 
 @contextmanager
 def metrics_server(running: dict[str, int]) -> Iterator[tuple[str, Counter[str]]]:
     """One HTTP server standing in for several replicas (by path prefix /<name>): each
-    serves vLLM's two queue gauges; the scrapes of each are counted."""
+    serves vLLM's two queue gauges; the scrapes of each by a MarkedPool are counted."""
     scrapes: Counter[str] = Counter()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             name = self.path.strip("/").split("/")[0]
-            scrapes[name] += 1
+            if self.headers.get(SCRAPER_HEADER):
+                scrapes[name] += 1
             body = (f'vllm:num_requests_running{{model_name="fake"}} {running[name]}\n'
                     f'vllm:num_requests_waiting{{model_name="fake"}} 0\n').encode()
             self.send_response(200)
@@ -65,7 +79,7 @@ async def test_only_replicas_that_share_a_pool_or_sit_out_are_scraped(table: Any
             DeploymentRoutes("alone", "alone", "least-load", 2048, (alone,), ("alone",)),
             DeploymentRoutes("pair", "pair", "least-load", 2048, pair, ("pair",))]))
         router = Router()
-        resources: Any = SimpleNamespace(router=router, connections=ConnectionPool())
+        resources: Any = SimpleNamespace(router=router, connections=MarkedPool())
         try:
             await scrape_load(resources)
             assert scrapes == {"pair-1": 1, "pair-2": 1}
@@ -102,7 +116,7 @@ async def test_the_gateways_own_requests_are_not_counted_twice(table: Any) -> No
         routes.publish(build_table([
             DeploymentRoutes("own", "own", "session", 2048, pair, ("own",))]))
         router = Router()
-        resources: Any = SimpleNamespace(router=router, connections=ConnectionPool())
+        resources: Any = SimpleNamespace(router=router, connections=MarkedPool())
         try:
             router.state("own-1").in_flight = 1  # ours, running on the engine
             router.state("own-2").in_flight = 1  # ours; the engine has 2 from elsewhere
