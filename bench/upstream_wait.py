@@ -1,0 +1,100 @@
+"""How long a request of a burst waits between its arrival at the gateway and its write
+to the replica, with the rate limits in memory (the embedded default, `make run`) and in
+Redis (the gateway alone, `serve --no-controllers` beside `run_controllers`, on a private
+`redis-server`), in interleaved rounds (A, B, A, B) of 128 streams paced at 10 ms a token
+before one fake engine. The wait is the usage records' `queue_ms` (from the request's
+arrival, its key known, to the upstream write), read from each server's database after
+the rounds; the TTFT p50 each path's client saw is printed beside it.
+
+    .venv/bin/python bench/upstream_wait.py [--rounds 4] [--streams 128]  # about 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sqlite3
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.gateway_overhead import ControlPlane, GatewayOnly, start_engine  # noqa: E402
+from bench.stream_load import load  # noqa: E402
+from tests.services import private_redis  # noqa: E402
+
+TOKENS = 64  # per stream: the burst is what is measured, not the stream's length
+
+
+def waits_since(plane: ControlPlane, since: str) -> list[float]:
+    """`queue_ms` of the usage records the server wrote after `since` (UTC)."""
+    database = sqlite3.connect(str(Path(plane.env["DATA_DIR"]) / "db.sqlite3"))
+    try:
+        rows = database.execute("SELECT queue_ms FROM serving_usagerecord WHERE at > ?",
+                                (since,)).fetchall()
+    finally:
+        database.close()
+    return [float(row[0]) for row in rows]
+
+
+def wait_for_records(plane: ControlPlane, since: str, count: int) -> list[float]:
+    """The records of the measured rounds, once the server's usage writer has them all."""
+    deadline = time.monotonic() + 30
+    while True:
+        waits = waits_since(plane, since)
+        if len(waits) >= count or time.monotonic() > deadline:
+            return waits
+        time.sleep(0.2)
+
+
+def main(options: argparse.Namespace) -> None:
+    with contextlib.ExitStack() as stack:
+        redis_server = stack.enter_context(private_redis())
+        paths = {"limits in memory (embedded)": ControlPlane(),
+                 "limits in Redis (gateway alone)": GatewayOnly(
+                     redis_server.database_url(0))}
+        for plane in paths.values():
+            stack.callback(plane.stop)
+        engine, url = start_engine(10.0, "fake")
+        stack.callback(engine.kill)
+        for plane in paths.values():
+            plane.route("fake", url)
+            asyncio.run(load(plane.url, "fake", 8, 16, plane.key, 1))  # warm
+        time.sleep(1)
+        since = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
+        ttft: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(options.rounds):
+            for name, plane in paths.items():
+                run = asyncio.run(load(plane.url, "fake", options.streams, TOKENS,
+                                       plane.key, 1))
+                if run.errors:
+                    sys.exit(f"{name}: {run.errors} requests failed")
+                ttft[name].append(run.p(0.5))
+        expected = options.rounds * options.streams
+        medians = []
+        for name, plane in paths.items():
+            waits = sorted(wait_for_records(plane, since, expected))
+            if len(waits) < expected:
+                sys.exit(f"{name}: {len(waits)} usage records of {expected}")
+            medians.append(statistics.median(waits))
+            print(f"{name}: arrival to upstream write median {statistics.median(waits):.2f} "
+                  f"ms, p90 {waits[int(0.9 * len(waits))]:.2f} ms ({len(waits)} requests); "
+                  f"TTFT p50 {statistics.median(ttft[name]):.1f} ms (median of "
+                  f"{options.rounds} rounds)", flush=True)
+        print(f"arrival to upstream write, median, {options.streams} paced streams: limits in "
+              f"memory {medians[0]:.2f} ms, in Redis {medians[1]:.2f} ms")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--streams", type=int, default=128)
+    arguments = parser.parse_args()
+    if arguments.rounds < 1 or arguments.streams < 1:
+        parser.error("--rounds and --streams take 1 or more")
+    main(arguments)
