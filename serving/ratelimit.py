@@ -176,8 +176,10 @@ end
 return replies
 """
 
-# The most checks one script call carries (Redis runs nothing else while a script runs).
+# The most checks and buckets one script call carries (Redis runs nothing else while a
+# script runs); a check with more buckets than that goes alone.
 BATCH_CHECKS = 128
+BATCH_BUCKETS = 512
 
 Check = tuple[str, list[Limit], asyncio.Future[Verdict]]
 
@@ -186,8 +188,8 @@ class RedisLimiter:
     """Shared by every gateway process using the same Redis: the script on the event
     loop's own pipelined connection (serving/redis_script.py). The checks made in one
     turn of the event loop (a burst of requests) go to Redis in one script call, up to
-    `most_per_call` each: Redis pays a call's fixed cost once for them, and this process
-    one write, one reply and one timer."""
+    `most_per_call` checks and BATCH_BUCKETS buckets each: Redis pays a call's fixed cost
+    once for them, and this process one write, one reply and one timer."""
 
     def __init__(self, url: str, *, most_per_call: int = BATCH_CHECKS) -> None:
         from serving.redis_script import ScriptClient
@@ -206,13 +208,26 @@ class RedisLimiter:
         return await verdict
 
     def send_waiting(self) -> None:
-        """Send the checks that joined since the last call, `most_per_call` a call."""
+        """Send the checks that joined since the last call, in calls of at most
+        `most_per_call` checks and BATCH_BUCKETS buckets."""
         waiting, self.waiting = self.waiting, []
-        loop = asyncio.get_running_loop()
-        for start in range(0, len(waiting), self.most_per_call):
-            task = loop.create_task(self.send(waiting[start:start + self.most_per_call]))
-            self.sending.add(task)
-            task.add_done_callback(self.sending.discard)
+        batch: list[Check] = []
+        buckets = 0
+        for check in waiting:
+            if batch and (len(batch) == self.most_per_call
+                          or buckets + len(check[1]) > BATCH_BUCKETS):
+                self.start_sending(batch)
+                batch, buckets = [], 0
+            batch.append(check)
+            buckets += len(check[1])
+        if batch:
+            self.start_sending(batch)
+
+    def start_sending(self, checks: list[Check]) -> None:
+        """One script call for `checks`, in a task held until it ends."""
+        task = asyncio.get_running_loop().create_task(self.send(checks))
+        self.sending.add(task)
+        task.add_done_callback(self.sending.discard)
 
     async def send(self, checks: list[Check]) -> None:
         """One script call for `checks`; each caller gets its verdict, or the error."""

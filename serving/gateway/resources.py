@@ -31,7 +31,8 @@ from serving.usage import UsageWriter
 
 logger = logging.getLogger("serving.gateway")
 # How long the tokens owed to budgets in Redis are summed before they are sent, and the
-# most buckets one script call carries.
+# most buckets one charge carries (the limiter bounds each script call again: see
+# serving/ratelimit.py's BATCH_BUCKETS).
 CHARGE_BATCH_SECONDS = 0.02
 CHARGE_BATCH_BUCKETS = 64
 
@@ -151,7 +152,7 @@ class Resources:
             self.owed_timer = self.loop.call_later(CHARGE_BATCH_SECONDS, self.send_owed)
 
     def send_owed(self) -> None:
-        """Send the summed charges, CHARGE_BATCH_BUCKETS buckets a script call."""
+        """Send the summed charges, CHARGE_BATCH_BUCKETS buckets a charge."""
         if self.owed_timer is not None:
             self.owed_timer.cancel()
             self.owed_timer = None

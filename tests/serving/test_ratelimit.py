@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 import pytest
+import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from serving.ratelimit import Limit, MemoryLimiter, RedisLimiter, key_limits, token_charges
@@ -28,6 +29,13 @@ def make(kind: str) -> MemoryLimiter | RedisLimiter:
 
 def bucket() -> str:
     return f"test:{uuid.uuid4().hex}"
+
+
+def script_calls(url: str) -> int:
+    """The script calls the Redis at `url` has run (INFO commandstats)."""
+    stats = redis.Redis.from_url(url).info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+               for name in ("evalsha", "eval"))
 
 
 @pytest.mark.parametrize("kind", limiters())
@@ -145,14 +153,7 @@ def test_checks_made_together_go_to_redis_in_one_call_and_are_judged_in_order() 
     call, not one each; each is judged after the ones made before it, as if sent one by
     one: with room for 3, the first 3 of 5 pass and the last 2 are refused. At most
     `most_per_call` checks go in a call."""
-    import redis
-
     from tests.services import private_redis
-
-    def script_calls(url: str) -> int:
-        stats = redis.Redis.from_url(url).info("commandstats")
-        return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
-                   for name in ("evalsha", "eval"))
 
     async def run(url: str) -> None:
         limiter = RedisLimiter(url, most_per_call=4)
@@ -170,11 +171,33 @@ def test_checks_made_together_go_to_redis_in_one_call_and_are_judged_in_order() 
         asyncio.run(run(server.url))
 
 
+def test_a_script_call_carries_at_most_its_buckets_and_a_larger_check_goes_alone() -> None:
+    """Checks made together go in calls of at most BATCH_BUCKETS buckets: three checks
+    of 300 buckets take three calls, one of twice the limit goes alone and is judged."""
+    from serving.ratelimit import BATCH_BUCKETS
+    from tests.services import private_redis
+
+    async def run(url: str) -> None:
+        limiter = RedisLimiter(url)
+        await limiter.admit([Limit("requests", bucket(), 1000, 1)])  # connected, loaded
+        before = script_calls(url)
+        wide = [[Limit("requests", bucket(), 1000, 1) for _ in range(300)]
+                for _ in range(3)]
+        verdicts = await asyncio.gather(*(limiter.admit(limits) for limits in wide))
+        assert all(v.allowed for v in verdicts) and script_calls(url) - before == 3
+        huge = [Limit("requests", bucket(), 1000, 1) for _ in range(2 * BATCH_BUCKETS)]
+        assert (await limiter.admit(huge)).allowed
+        assert script_calls(url) - before == 4
+        await limiter.close()
+
+    with private_redis() as server:
+        asyncio.run(run(server.url))
+
+
 def test_a_script_call_that_fails_fails_every_check_it_carried_and_none_waits_on() -> None:
     """A bucket Redis holds garbage in makes the script fail: every check sent in that
     call gets the error (the gateway answers 503 `limits_unavailable`), none is left
     waiting; the next call, without that bucket, is judged."""
-    import redis
     from redis.exceptions import ResponseError
 
     from serving.ratelimit import REDIS_PREFIX
@@ -253,16 +276,10 @@ def test_tokens_owed_after_answers_reach_redis_summed_in_one_call_and_none_lost_
     """Answers ending together owe their tokens to a Redis budget: the charges are summed
     per bucket and sent in one script call (not one per answer), the budget then holds
     their sum; what is owed when the server stops is sent by `settle`, not dropped."""
-    import redis
 
     from serving.gateway.resources import CHARGE_BATCH_SECONDS, LiveStreams, Resources
     from serving.router import Router
     from tests.services import private_redis
-
-    def script_calls(url: str) -> int:
-        stats = redis.Redis.from_url(url).info("commandstats")
-        return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
-                   for name in ("evalsha", "eval"))
 
     async def run(url: str) -> None:
         resources = Resources(asyncio.get_running_loop(), Router(), LiveStreams())
