@@ -16,12 +16,18 @@ coroutine and its checks: the gateway relays every streamed token through it (ab
 tenth of the CPU per relayed event). It returns False, writing nothing, when the chunk
 must go the ASGI way (the client reads slower than the answer comes, it has gone, the
 answer is not chunked or not started).
+
+It carries `extensions["fleetplane.when_lost"]` too, a function `(callback | None)` that
+has `callback()` called once, from the connection's callback, if the client goes before
+the response is complete (at once when it has gone already); None takes it back. The
+gateway follows a stream this way: no task per stream waits on `receive` to learn it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -29,6 +35,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 # The scope's extension holding HeadHeldTransport.write_body; the gateway reads it under
 # the same name (serving/gateway/call.py), without importing the server.
 WRITE_BODY = "fleetplane.write_body"
+WHEN_LOST = "fleetplane.when_lost"
 
 
 class HeadHeldTransport:
@@ -42,7 +49,7 @@ class HeadHeldTransport:
     and free rather than freed when the request ends (scanned again and again by
     collections while they wait)."""
 
-    __slots__ = ("cycle", "first", "held", "loop", "transport")
+    __slots__ = ("cycle", "first", "held", "loop", "on_lost", "transport")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
                  cycle: RequestResponseCycle) -> None:
@@ -50,6 +57,7 @@ class HeadHeldTransport:
         self.cycle = weakref.ref(cycle)
         self.held: bytes | None = None
         self.first = True
+        self.on_lost: Callable[[], None] | None = None
 
     def write(self, data: bytes) -> None:
         """Write `data`, after the held head; the first write is held."""
@@ -75,6 +83,21 @@ class HeadHeldTransport:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
 
+    def when_lost(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` once if the client goes before the response is complete (now,
+        if it has gone already); None: no longer."""
+        cycle = self.cycle()
+        if callback is not None and (cycle is None or cycle.disconnected):
+            callback()
+            return
+        self.on_lost = callback
+
+    def lost(self) -> None:
+        """The client went: the callback asked for, if any, once."""
+        callback, self.on_lost = self.on_lost, None
+        if callback is not None:
+            callback()
+
     def write_body(self, body: bytes, more_body: bool) -> bool:
         """One chunk of the chunked answer, written now (see the module's text)."""
         cycle = self.cycle()
@@ -97,8 +120,8 @@ class HeadHeldTransport:
 
 class HttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, each request's response written through a
-    HeadHeldTransport, whose `write_body` is in the request's scope (WebSocket upgrades
-    are left as they are)."""
+    HeadHeldTransport, whose `write_body` and `when_lost` are in the request's scope
+    (WebSocket upgrades are left as they are)."""
 
     def on_headers_complete(self) -> None:
         before = self.cycle
@@ -107,5 +130,14 @@ class HttpProtocol(HttpToolsProtocol):
         if cycle is not None and cycle is not before:  # a new request's response
             transport = HeadHeldTransport(self.transport, self.loop, cycle)
             cycle.transport = transport  # type: ignore[assignment]
-            cycle.scope["extensions"] = {**cycle.scope.get("extensions", {}),
-                                         WRITE_BODY: transport.write_body}  # type: ignore[dict-item]
+            extensions: dict[str, Any] = {**cycle.scope.get("extensions", {}),
+                                          WRITE_BODY: transport.write_body,
+                                          WHEN_LOST: transport.when_lost}
+            cycle.scope["extensions"] = extensions
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        transport = cycle.transport if cycle is not None else None
+        if isinstance(transport, HeadHeldTransport) and cycle is not None and cycle.disconnected:
+            transport.lost()

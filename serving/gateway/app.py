@@ -17,6 +17,7 @@ import orjson
 
 from serving.calls import GatewayError, new_id
 from serving.gateway.call import (
+    WHEN_LOST,
     WRITE_BODY,
     Call,
     Receive,
@@ -151,12 +152,21 @@ class Gateway:
             raw = await read_body(scope, receive)
             call = build_call(scope, raw, ENDPOINTS[scope["path"]], key, request_id, timing)
             call.receive = receive
-            call.write_body = scope.get("extensions", {}).get(WRITE_BODY)
+            extensions = scope.get("extensions") or {}
+            call.write_body = extensions.get(WRITE_BODY)
+            call.when_lost = extensions.get(WHEN_LOST)
             headers = headers + await charge_rate_limits(resources, call)
-            async with Session(resources, call) as stream:
-                if call.ticket is not None:
-                    headers = [*headers, *call.ticket.headers()]
-                await relay(resources, call, stream, send, headers)
+            try:
+                async with Session(resources, call) as stream:
+                    if call.ticket is not None:
+                        headers = [*headers, *call.ticket.headers()]
+                    await relay(resources, call, stream, send, headers)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not call.client_left or (task is not None and task.cancelling()):
+                    raise
+                # The client went while the call waited in the queue: recorded as 499
+                # there; nobody is left to answer (uvicorn would log it as an error).
         finally:
             let_go_for_key(self.key_in_flight, key)
 

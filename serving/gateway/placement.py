@@ -97,6 +97,7 @@ async def wait_for_slot(resources: Resources, call: Call, lane: str,
         acquiring.cancel()
         with contextlib.suppress(asyncio.CancelledError, Refused):
             await acquiring
+        call.client_left = True
         raise asyncio.CancelledError
     return acquiring.result()
 
@@ -200,10 +201,11 @@ async def wait_for_replica(resources: Resources, call: Call) -> DeploymentRoutes
             await demand.publish(connection, deployment)
 
 
-async def first_done(one: asyncio.Future[Any], other: asyncio.Future[Any]) -> None:
-    """Wait until one of two tasks is done: what asyncio.wait(FIRST_COMPLETED) does for
-    them, without its set, its checks and its bookkeeping (this runs for every request)."""
-    if one.done() or other.done():
+async def first_done(*futures: asyncio.Future[Any]) -> None:
+    """Wait until one of these tasks is done, without its result or its error: what
+    asyncio.wait(FIRST_COMPLETED) does for them, without its set, its checks and its
+    bookkeeping (this runs for every request)."""
+    if any(future.done() for future in futures):
         return
     either = asyncio.get_running_loop().create_future()
 
@@ -211,13 +213,13 @@ async def first_done(one: asyncio.Future[Any], other: asyncio.Future[Any]) -> No
         if not either.done():
             either.set_result(None)
 
-    one.add_done_callback(done)
-    other.add_done_callback(done)
+    for future in futures:
+        future.add_done_callback(done)
     try:
         await either
     finally:
-        one.remove_done_callback(done)
-        other.remove_done_callback(done)
+        for future in futures:
+            future.remove_done_callback(done)
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -100,8 +101,8 @@ async def relay_stream(resources: Resources, call: Call, stream: Stream, send: S
         response.close()
         await send_error_event(send, "the API key was revoked or has expired; the answer "
                                      "was cut off", "authentication_error", "api_key_revoked")
-    elif not pump.done():  # the client went away: the engine sees it and frees its cache
-        pump.cancel()
+    elif call.client_left or not pump.done():  # the client went away: the engine sees it
+        pump.cancel()  # and frees its cache
         response.close()
         stream.status = 499  # recorded as the client's leaving, with the tokens relayed
         stream.ended()
@@ -112,27 +113,45 @@ async def relay_stream(resources: Resources, call: Call, stream: Stream, send: S
 async def follow_relay(resources: Resources, call: Call, pump: asyncio.Future[None],
                        events: EventRelay) -> None:
     """Wait while the relay that had to wait runs in its task, until it ends or the
-    client goes; the key's streams are cut off with it if it is revoked meanwhile. Two
-    tasks per stream, none per chunk: one relays, one waits for the client to go."""
-    assert call.receive is not None
-    watcher = asyncio.get_running_loop().create_task(wait_for_disconnect(call.receive))
+    client goes; the key's streams are cut off with it if it is revoked meanwhile. One
+    task per stream, none per chunk: the relay's. The server calls back when the client
+    goes (controlplane/http_protocol.py), which stops the relay; under a server without
+    that callback a second task waits on `receive` for it."""
+    when_lost = call.when_lost
+    watcher: asyncio.Task[None] | None = None
     key_hash = call.key.key_hash if call.key is not None else ""
     if key_hash:
         resources.streams.add(key_hash, pump)
     try:
-        await first_done(pump, watcher)
-        if events.ended and not pump.done():
-            # The answer went out whole from the socket's callback, which ends the
-            # client's side too (its receive says so): not a client that left. The
-            # relay returns on its next step.
-            await asyncio.wait({pump})
+        if when_lost is not None:
+            when_lost(functools.partial(client_left, call, pump))
+            await first_done(pump)
+        else:
+            assert call.receive is not None
+            watcher = asyncio.get_running_loop().create_task(
+                wait_for_disconnect(call.receive))
+            await first_done(pump, watcher)
+            if events.ended and not pump.done():
+                # The answer went out whole from the socket's callback, which ends the
+                # client's side too (its receive says so): not a client that left. The
+                # relay returns on its next step.
+                await asyncio.wait({pump})
     except asyncio.CancelledError:
         pump.cancel()
         raise
     finally:
-        watcher.cancel()
+        if when_lost is not None:
+            when_lost(None)
+        if watcher is not None:
+            watcher.cancel()
         if key_hash:
             resources.streams.discard(key_hash, pump)
+
+
+def client_left(call: Call, pump: asyncio.Future[None]) -> None:
+    """The server's callback when the client goes mid-stream: the relay stops."""
+    call.client_left = True
+    pump.cancel()
 
 
 async def end_stream(stream: Stream, send: Send, error: BaseException | None) -> None:

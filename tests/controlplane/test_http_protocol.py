@@ -176,3 +176,63 @@ async def test_a_finished_request_leaves_no_garbage_for_the_cycle_collector() ->
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 10)
+
+
+async def test_the_server_calls_back_once_when_a_client_leaves_mid_answer() -> None:
+    # The gateway hears this way that a streaming client has gone (no task per stream
+    # waiting on `receive`): once, for an answer not yet complete; not after the callback
+    # is taken back; at once for one asked after the client went.
+    import uvicorn
+
+    from controlplane.http_protocol import WHEN_LOST
+
+    called: list[str] = []
+    finish = asyncio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path, when_lost = scope["path"], scope["extensions"][WHEN_LOST]
+        if path == "/late":  # asked only once the client has gone
+            while (await receive())["type"] != "http.disconnect":
+                continue
+        when_lost(lambda: called.append(path))
+        if path == "/taken-back":
+            when_lost(None)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await finish.wait()
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), http=HttpProtocol,
+                            lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    serving = asyncio.get_running_loop().create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        for path in ("/watched", "/taken-back", "/late"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", config.port)
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+            if path != "/late":
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200 OK")  # the callback is asked for
+            writer.close()
+            await writer.wait_closed()
+            deadline = asyncio.get_running_loop().time() + 10
+            while server.server_state.connections:  # the server saw the client go
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(called) < 2:
+            assert asyncio.get_running_loop().time() < deadline, called
+            await asyncio.sleep(0.01)
+        assert called == ["/watched", "/late"]
+    finally:
+        finish.set()
+        server.should_exit = True
+        await serving
+
+
+def test_the_gateway_looks_for_when_lost_under_the_name_the_server_gives_it() -> None:
+    from controlplane import http_protocol
+    from serving.gateway.call import WHEN_LOST
+
+    assert WHEN_LOST == http_protocol.WHEN_LOST

@@ -317,7 +317,8 @@ def test_a_client_that_disconnects_cancels_its_upstream_request(
     engine = fake_engines("demo-1", interval_ms=50)
     publish("demo", [engine])
     with httpx.stream("POST", f"{gateway_url}/v1/completions", timeout=30,
-                      headers={"Authorization": f"Bearer {key}"},
+                      headers={"Authorization": f"Bearer {key}",
+                               "X-Request-Id": "leaves-mid-stream"},
                       json={"model": "fake", "prompt": "hi", "max_tokens": 400,
                             "stream": True}) as response:
         for line in response.iter_lines():
@@ -328,6 +329,11 @@ def test_a_client_that_disconnects_cancels_its_upstream_request(
         time.sleep(0.1)
     assert engine.metric("vllm:num_requests_running") == 0
     assert engine.metric("fake:client_disconnects_total") == 1
+    records = UsageRecord.objects.filter(request_id="leaves-mid-stream")
+    while not records.exists() and time.monotonic() < deadline + 5:
+        time.sleep(0.1)
+    record = records.get()
+    assert record.status == 499 and record.replica == "demo-1"
 
 
 def test_concurrent_streams_all_complete(gateway_url: str, key: str,
