@@ -32,8 +32,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-# The scope's extension holding HeadHeldTransport.write_body; the gateway reads it under
-# the same name (serving/gateway/call.py), without importing the server.
+# The scope's extensions holding HeadHeldTransport.write_body and .when_lost; the gateway
+# reads them under the same names (serving/gateway/call.py), without importing the server.
 WRITE_BODY = "fleetplane.write_body"
 WHEN_LOST = "fleetplane.when_lost"
 
@@ -136,8 +136,8 @@ class HttpProtocol(HttpToolsProtocol):
             cycle.scope["extensions"] = extensions
 
     def connection_lost(self, exc: Exception | None) -> None:
-        cycle = self.cycle
         super().connection_lost(exc)
-        transport = cycle.transport if cycle is not None else None
-        if isinstance(transport, HeadHeldTransport) and cycle is not None and cycle.disconnected:
-            transport.lost()
+        cycle = self.cycle  # disconnected: the client went before its answer was complete
+        if cycle is not None and cycle.disconnected and isinstance(cycle.transport,
+                                                                   HeadHeldTransport):
+            cycle.transport.lost()

@@ -205,8 +205,9 @@ async def first_done(*futures: asyncio.Future[Any]) -> None:
     """Wait until one of these tasks is done, without its result or its error: what
     asyncio.wait(FIRST_COMPLETED) does for them, without its set, its checks and its
     bookkeeping (this runs for every request)."""
-    if any(future.done() for future in futures):
-        return
+    for future in futures:  # a loop, not any() over a generator: per request
+        if future.done():
+            return
     either = asyncio.get_running_loop().create_future()
 
     def done(_: object) -> None:

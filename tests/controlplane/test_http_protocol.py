@@ -1,7 +1,8 @@
 """The server's HTTP protocol (controlplane/http_protocol.py): an answer whole when it
 starts reaches the client in one piece, head and body together; a stream's head is not
 held back waiting for its first bytes; keep-alive, chunked bodies and a closing answer
-still work. The server runs in a process of its own, as `manage.py serve` does, so the
+still work; the callback a request asks for runs once when its client goes mid-answer.
+Most of these run the server in a process of its own, as `manage.py serve` does, so the
 client reads what each write of the server brought."""
 
 from __future__ import annotations
