@@ -72,8 +72,8 @@ def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[s
                 for model, python in pythons.items():
                     product.run_locally(model, python)
         else:
-            paced, paced_url = start_engine(10.0, "fake")
-            unpaced, unpaced_url = start_engine(0.0, "fast")
+            paced, paced_url = start_engine(10.0, "fake", options.engine_keep_alive)
+            unpaced, unpaced_url = start_engine(0.0, "fast", options.engine_keep_alive)
             processes += [paced, unpaced]
             for product in products:
                 product.route("fake", paced_url)

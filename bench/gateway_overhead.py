@@ -35,7 +35,7 @@ figures and the printed table are in bench/path_figures.py.
 
     .venv/bin/python bench/gateway_overhead.py [--loads NAME,...] [--rounds N] [--quick]
         [--no-router] [--no-gateway-only] [--workers N] [--vllm]
-        [--compare-with PATH [--local] [--redis]]
+        [--compare-with PATH [--local] [--redis] [--engine-keep-alive SECONDS]]
         [--profile PATH [--profile-native | --profile-idle]]
 """
 
@@ -114,10 +114,12 @@ def compare(label: str, direct_url: str, gateway_url: str, model: str, streams: 
     return direct, through
 
 
-def start_engine(interval_ms: float, model: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_engine(interval_ms: float, model: str, keep_alive: float = 5.0
+                 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "fakes.engine", "--port", str(port),
-                                "--model", model, "--token-interval-ms", str(interval_ms)],
+                                "--model", model, "--token-interval-ms", str(interval_ms),
+                                "--keep-alive", str(keep_alive)],
                                cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 30)
@@ -528,6 +530,10 @@ def main() -> None:
     parser.add_argument("--redis", action="store_true", help="with --compare-with: each "
                         "control plane with REDIS_URL (a database each on a private Redis): "
                         "rate limits and the route table in Redis, as for the gateway alone")
+    parser.add_argument("--engine-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                        help="with --compare-with: the fake engines close a connection idle "
+                        "this long (default 5, as vLLM); under a round's length, each round "
+                        "of each gateway begins with its upstream connections closed")
     parser.add_argument("--local", action="store_true", help="with --compare-with: the "
                         "engines are replicas each control plane runs (their chunks carry "
                         "the usage so far, which the gateway takes out)")
@@ -542,6 +548,10 @@ def main() -> None:
         parser.error("--redis goes with --compare-with")
     if options.local and not options.compare_with:
         parser.error("--local goes with --compare-with")
+    if options.engine_keep_alive != 5.0 and (not options.compare_with or options.local):
+        parser.error("--engine-keep-alive goes with --compare-with (fake engines)")
+    if options.engine_keep_alive <= 0:
+        parser.error("--engine-keep-alive takes a number of seconds above 0")
     extra_env = dict(item.split("=", 1) for item in options.env)
     if options.compare_with:
         from bench.gateway_compare import compare_checkouts

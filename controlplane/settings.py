@@ -345,6 +345,11 @@ GATEWAY_MAX_RESPONSE_BYTES = env_int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1
 # SSE error instead of hanging, and a request it holds before answering goes to another
 # replica. 0: no limit.
 GATEWAY_UPSTREAM_IDLE_SECONDS = env_float("GATEWAY_UPSTREAM_IDLE_SECONDS", 60.0, minimum=0.0)
+# For this long after a replica's last request, a kept-alive connection the replica closes
+# (its own keep-alive ran out) is replaced by a new one, so the next burst finds them open.
+# 0: connections are let go when the replica closes them.
+GATEWAY_UPSTREAM_WARM_SECONDS = env_float("GATEWAY_UPSTREAM_WARM_SECONDS", 60.0, minimum=0.0,
+                                          maximum=86_400.0)
 
 # The metrics collector and the live dashboards.
 SCRAPE_INTERVAL = env_float("SCRAPE_INTERVAL", 2.0, minimum=0.2)

@@ -338,6 +338,9 @@ def main() -> None:
                         help="refuse /v1/* without this bearer key (default: VLLM_API_KEY)")
     parser.add_argument("--middleware", action="append", default=[],
                         help="an ASGI middleware class to load around the engine, as vLLM")
+    parser.add_argument("--keep-alive", type=float, default=5.0, metavar="SECONDS",
+                        help="close a kept-alive connection idle this long (default 5, "
+                             "uvicorn's and vLLM's)")
     options = parser.parse_args()
     import uvicorn
 
@@ -345,7 +348,8 @@ def main() -> None:
         engine = FakeEngine(options.model, options.token_interval_ms / 1000,
                             options.max_running, api_key=options.api_key)
         uvicorn.run(with_middleware(engine, options.middleware), host=options.host,
-                    port=options.port, log_level="warning", access_log=False, lifespan="on")
+                    port=options.port, log_level="warning", access_log=False, lifespan="on",
+                    timeout_keep_alive=options.keep_alive)
         return
     import socket
 
@@ -363,7 +367,8 @@ def main() -> None:
                                                options.model, options.token_interval_ms / 1000,
                                                options.api_key), options.middleware),
                                            log_level="warning", access_log=False,
-                                           lifespan="on"))
+                                           lifespan="on",
+                                           timeout_keep_alive=options.keep_alive))
     server.run(sockets=sockets)
 
 

@@ -72,6 +72,11 @@ class LiveStreams:
         return False
 
 
+def warm_seconds() -> float:
+    """How long after its last request a replica's connections are kept open."""
+    return float(hot.GATEWAY_UPSTREAM_WARM_SECONDS)
+
+
 class Resources:
     """One event loop's share of the gateway, handed to every stage with the call."""
 
@@ -80,7 +85,7 @@ class Resources:
         self.loop = loop
         self.router = router  # the process's: replica health outlives a loop
         self.streams = streams
-        self.connections = ConnectionPool()
+        self.connections = ConnectionPool(warm_seconds)
         self.usage = UsageWriter()
         self.admission = Admission()
         self.redis_url = ""

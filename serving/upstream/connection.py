@@ -107,6 +107,7 @@ class Connection(asyncio.Protocol):
         self.last_heard = 0.0  # loop time of the request or of the last bytes since
         self.watchdog: asyncio.TimerHandle | None = None
         self.watchdog_due = 0.0
+        self.used_at = 0.0  # loop time of the end of its last answer (kept alive)
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
@@ -133,8 +134,10 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The socket closed: an answer in progress ends or fails."""
+        by_replica = not self.closed
         self.closed = True
-        self.pool.forget(self)
+        if self.pool.forget(self) and by_replica:  # it was waiting in the pool
+            self.pool.closed_while_idle(self)
         if self.busy and not self.complete:
             if self.head is not None and self.head.done() and not self.length_known and exc is None:
                 self.on_message_complete()  # a body delimited by the connection's end
@@ -358,6 +361,7 @@ class Connection(asyncio.Protocol):
         self.parser, self.head = None, None
         self.body.clear()
         if reusable:  # its watchdog stays armed for the next request (see watch)
+            self.used_at = self.last_heard
             self.pool.put_back(self)
         else:
             self.abort()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -43,11 +44,21 @@ def target(base_url: str) -> Target:
 
 
 class ConnectionPool:
-    """Keep-alive connections per replica (host, port, TLS), reused most recent first."""
+    """Keep-alive connections per replica (host, port, TLS), reused most recent first.
 
-    def __init__(self) -> None:
+    With `warm_seconds` (a callable: the setting is read when it is needed), a kept-alive
+    connection the replica closes while it waits in the pool is replaced by a new one
+    while the replica was last used within that many seconds: a burst that comes after a
+    pause longer than the replica's own keep-alive (vLLM's: 5 s) finds its connections
+    open, the replica's accepting done before its requests came. Once the replica has
+    been unused for longer, its closed connections are let go."""
+
+    def __init__(self, warm_seconds: Callable[[], float] | None = None) -> None:
         self.idle: dict[tuple[str, int, bool], list[Connection]] = {}
         self._tls: ssl.SSLContext | None = None
+        self.warm_seconds = warm_seconds
+        self.reopening: set[asyncio.Task[None]] = set()
+        self.shut = False
 
     def tls_context(self) -> ssl.SSLContext:
         """The TLS context, made on first use."""
@@ -95,11 +106,39 @@ class ConnectionPool:
         else:
             connection.abort()
 
-    def forget(self, connection: Connection) -> None:
-        """Drop a closed connection from the idle ones."""
+    def forget(self, connection: Connection) -> bool:
+        """Drop a closed connection from the idle ones; whether it was one of them."""
         idle = self.idle.get(connection.key)
         if idle and connection in idle:
             idle.remove(connection)
+            return True
+        return False
+
+    def closed_while_idle(self, connection: Connection) -> None:
+        """The replica closed a kept-alive connection: open another in its place while
+        the replica was used recently (see the class)."""
+        if self.shut or self.warm_seconds is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() - connection.used_at >= self.warm_seconds():
+            return
+        task = loop.create_task(self.reopen(connection.key, connection.used_at))
+        self.reopening.add(task)
+        task.add_done_callback(self.reopening.discard)
+
+    async def reopen(self, key: tuple[str, int, bool], used_at: float) -> None:
+        """One connection opened to stand idle for the next request (none on failure: a
+        replica that is gone is not called again)."""
+        host, port, tls = key
+        try:
+            connection = await self.connect(Target(host, port, "", tls, b""))
+        except UpstreamError:
+            return
+        connection.used_at = used_at  # the window runs from the last request, not this
+        if self.shut:
+            connection.abort()
+        else:
+            self.put_back(connection)
 
     async def request(
         self,
@@ -160,7 +199,10 @@ class ConnectionPool:
             response.release()
 
     def close(self) -> None:
-        """Close every idle connection."""
+        """Close every idle connection; none is opened again."""
+        self.shut = True
+        for task in list(self.reopening):
+            task.cancel()
         for idle in list(self.idle.values()):
             for connection in list(idle):
                 connection.abort()
