@@ -108,12 +108,14 @@ class Connection(asyncio.Protocol):
         self.watchdog: asyncio.TimerHandle | None = None
         self.watchdog_due = 0.0
         self.used_at = 0.0  # loop time of the end of its last answer (kept alive)
+        self.opened_at = 0.0  # loop time the socket opened
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """The socket is open."""
         self.transport = transport  # type: ignore[assignment]
+        self.opened_at = self.loop.time()
 
     def data_received(self, data: bytes) -> None:
         """Feed the answer's bytes to the parser."""

@@ -51,7 +51,11 @@ class ConnectionPool:
     while the replica was last used within that many seconds: a burst that comes after a
     pause longer than the replica's own keep-alive (vLLM's: 5 s) finds its connections
     open, the replica's accepting done before its requests came. Once the replica has
-    been unused for longer, its closed connections are let go."""
+    been unused for longer, its closed connections are let go; so is one that was open
+    for less than `replace_after` seconds (a server that closes what it accepts at once
+    is not called in a loop)."""
+
+    replace_after = 1.0
 
     def __init__(self, warm_seconds: Callable[[], float] | None = None) -> None:
         self.idle: dict[tuple[str, int, bool], list[Connection]] = {}
@@ -120,7 +124,9 @@ class ConnectionPool:
         if self.shut or self.warm_seconds is None:
             return
         loop = asyncio.get_running_loop()
-        if loop.time() - connection.used_at >= self.warm_seconds():
+        now = loop.time()
+        if (now - connection.used_at >= self.warm_seconds()
+                or now - connection.opened_at < self.replace_after):
             return
         task = loop.create_task(self.reopen(connection.key, connection.used_at))
         self.reopening.add(task)

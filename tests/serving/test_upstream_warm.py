@@ -16,6 +16,13 @@ from tests.serving.test_upstream import RawServer, server, sized, until
 __all__ = ["server"]  # the fixture, used by name
 
 
+def warm_pool(seconds: float) -> ConnectionPool:
+    """A pool keeping connections warm for `seconds`, replacing any that lived 0.05 s."""
+    pool = ConnectionPool(lambda: seconds)
+    pool.replace_after = 0.05
+    return pool
+
+
 def keep_alive_for(raw: RawServer, seconds: list[float]) -> None:
     """Answer requests on each connection, closing one that stays idle `seconds[0]`
     (read when the wait begins, so a test can lengthen it)."""
@@ -53,7 +60,7 @@ async def test_a_connection_the_replica_closes_is_replaced_while_it_was_used_rec
         server: RawServer) -> None:
     keep_alive = [0.1]
     keep_alive_for(server, keep_alive)
-    pool = ConnectionPool(lambda: 30.0)
+    pool = warm_pool(30.0)
     assert not await ask(pool, server.url)
     keep_alive[0] = 10.0  # the replacement stays open
     await until(lambda: server.connections == 2 and len(open_idle(pool)) == 1,
@@ -66,7 +73,7 @@ async def test_a_connection_the_replica_closes_is_replaced_while_it_was_used_rec
 
 async def test_past_the_window_a_closed_connection_is_let_go(server: RawServer) -> None:
     keep_alive_for(server, [0.2])
-    for pool in (ConnectionPool(lambda: 0.05), ConnectionPool(lambda: 0.0), ConnectionPool()):
+    for pool in (warm_pool(0.05), warm_pool(0.0), ConnectionPool()):
         before = server.connections
         assert not await ask(pool, server.url)
         connection = pool.idle[next(iter(pool.idle))][0]
@@ -80,7 +87,7 @@ async def test_past_the_window_a_closed_connection_is_let_go(server: RawServer) 
 async def test_a_replica_gone_for_good_is_not_called_again(server: RawServer) -> None:
     keep_alive = [0.1]
     keep_alive_for(server, keep_alive)
-    pool = ConnectionPool(lambda: 30.0)
+    pool = warm_pool(30.0)
     assert not await ask(pool, server.url)
     assert server.server is not None
     server.server.close()  # no longer listening: the replacement's connect fails
@@ -90,9 +97,24 @@ async def test_a_replica_gone_for_good_is_not_called_again(server: RawServer) ->
     pool.close()
 
 
+async def test_a_connection_closed_as_soon_as_opened_is_not_replaced(
+        server: RawServer) -> None:
+    keep_alive = [0.2]
+    keep_alive_for(server, keep_alive)
+    pool = warm_pool(30.0)
+    pool.replace_after = 0.15  # the first connection lives 0.2 s, longer
+    assert not await ask(pool, server.url)
+    keep_alive[0] = 0.0  # from now on the server closes what it accepts at once
+    await until(lambda: server.connections == 2, "the first connection to be replaced")
+    await until(lambda: not pool.reopening and not open_idle(pool),
+                "the replacement to be closed by the server")
+    assert server.connections == 2  # not opened again: it lived less than replace_after
+    pool.close()
+
+
 async def test_a_closed_pool_opens_nothing(server: RawServer) -> None:
     keep_alive_for(server, [0.1])
-    pool = ConnectionPool(lambda: 30.0)
+    pool = warm_pool(30.0)
     assert not await ask(pool, server.url)
     connection = pool.idle[next(iter(pool.idle))][0]
     pool.close()
