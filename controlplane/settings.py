@@ -345,9 +345,10 @@ GATEWAY_MAX_RESPONSE_BYTES = env_int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1
 # SSE error instead of hanging, and a request it holds before answering goes to another
 # replica. 0: no limit.
 GATEWAY_UPSTREAM_IDLE_SECONDS = env_float("GATEWAY_UPSTREAM_IDLE_SECONDS", 60.0, minimum=0.0)
-# For this long after a replica's last request, a kept-alive connection the replica closes
-# (its own keep-alive ran out) is replaced by a new one, so the next burst finds them open.
-# 0: connections are let go when the replica closes them.
+# A kept-alive connection the replica closes (its own keep-alive ran out) is replaced by a
+# new one when it carried a request within this many seconds, so the next burst finds its
+# connections open; the replacement is closed when the window ends unless a request used
+# it. 0: connections are let go when the replica closes them.
 GATEWAY_UPSTREAM_WARM_SECONDS = env_float("GATEWAY_UPSTREAM_WARM_SECONDS", 60.0, minimum=0.0,
                                           maximum=86_400.0)
 

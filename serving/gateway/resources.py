@@ -86,6 +86,9 @@ class Resources:
         self.router = router  # the process's: replica health outlives a loop
         self.streams = streams
         self.connections = ConnectionPool(warm_seconds)
+        # The load watcher's scrapes of the replicas' /metrics: apart, so that they do not
+        # keep the replicas' connections warm (serving/upstream/pool.py).
+        self.scrapes = ConnectionPool()
         self.usage = UsageWriter()
         self.admission = Admission()
         self.redis_url = ""

@@ -146,7 +146,7 @@ async def scrape_load(resources: Resources) -> None:
             state.scraped = 0
     if not replicas:
         return
-    client = resources.connections
+    client = resources.scrapes
 
     async def one(replica: RouteReplica) -> None:
         state = router.state(replica.name)

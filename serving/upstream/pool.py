@@ -48,12 +48,14 @@ class ConnectionPool:
 
     With `warm_seconds` (a callable: the setting is read when it is needed), a kept-alive
     connection the replica closes while it waits in the pool is replaced by a new one
-    while the replica was last used within that many seconds: a burst that comes after a
-    pause longer than the replica's own keep-alive (vLLM's: 5 s) finds its connections
-    open, the replica's accepting done before its requests came. Once the replica has
-    been unused for longer, its closed connections are let go; so is one that was open
-    for less than `replace_after` seconds (a server that closes what it accepts at once
-    is not called in a loop)."""
+    while it was last used within that many seconds: a burst that comes after a pause
+    longer than the replica's own keep-alive (vLLM's: 5 s) finds its connections open,
+    the replica's accepting done before its requests came. The replacement is closed by
+    the pool when that window ends unless a request used it (vLLM's server, as uvicorn,
+    times out only a connection that has carried a request: it would keep it for ever).
+    One attempt per closed connection; none for one that was open for less than
+    `replace_after` seconds (a server that closes what it accepts is not called in a
+    loop)."""
 
     replace_after = 1.0
 
@@ -103,9 +105,10 @@ class ConnectionPool:
         return None
 
     def put_back(self, connection: Connection) -> None:
-        """Keep a connection for the next request (up to IDLE_PER_HOST)."""
+        """Keep a connection for the next request (up to IDLE_PER_HOST; none once the
+        pool is closed)."""
         idle = self.idle.setdefault(connection.key, [])
-        if len(idle) < IDLE_PER_HOST:
+        if len(idle) < IDLE_PER_HOST and not self.shut:
             idle.append(connection)
         else:
             connection.abort()
@@ -120,31 +123,39 @@ class ConnectionPool:
 
     def closed_while_idle(self, connection: Connection) -> None:
         """The replica closed a kept-alive connection: open another in its place while
-        the replica was used recently (see the class)."""
+        it was used recently (see the class)."""
         if self.shut or self.warm_seconds is None:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if (now - connection.used_at >= self.warm_seconds()
+        window = self.warm_seconds()
+        if (now - connection.used_at >= window
                 or now - connection.opened_at < self.replace_after):
             return
-        task = loop.create_task(self.reopen(connection.key, connection.used_at))
+        task = loop.create_task(self.reopen(connection.key, connection.used_at, window))
         self.reopening.add(task)
         task.add_done_callback(self.reopening.discard)
 
-    async def reopen(self, key: tuple[str, int, bool], used_at: float) -> None:
-        """One connection opened to stand idle for the next request (none on failure: a
-        replica that is gone is not called again)."""
+    async def reopen(self, key: tuple[str, int, bool], used_at: float, window: float) -> None:
+        """One connection opened to stand idle for the next request until the window
+        ends (none on failure: a replica that is gone is not called again)."""
         host, port, tls = key
         try:
             connection = await self.connect(Target(host, port, "", tls, b""))
         except UpstreamError:
             return
         connection.used_at = used_at  # the window runs from the last request, not this
-        if self.shut:
+        if self.shut or connection.closed:
             connection.abort()
-        else:
-            self.put_back(connection)
+            return
+        self.put_back(connection)
+        connection.loop.call_at(used_at + window, self.expire, connection, used_at)
+
+    def expire(self, connection: Connection, used_at: float) -> None:
+        """The window of a replacement ended: closed, unless a request used it since
+        (it is then an ordinary kept-alive connection, or busy)."""
+        if connection.used_at == used_at and self.forget(connection):
+            connection.abort()
 
     async def request(
         self,

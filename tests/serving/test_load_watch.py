@@ -79,7 +79,7 @@ async def test_only_replicas_that_share_a_pool_or_sit_out_are_scraped(table: Any
             DeploymentRoutes("alone", "alone", "least-load", 2048, (alone,), ("alone",)),
             DeploymentRoutes("pair", "pair", "least-load", 2048, pair, ("pair",))]))
         router = Router()
-        resources: Any = SimpleNamespace(router=router, connections=MarkedPool())
+        resources: Any = SimpleNamespace(router=router, scrapes=MarkedPool())
         try:
             await scrape_load(resources)
             assert scrapes == {"pair-1": 1, "pair-2": 1}
@@ -102,7 +102,7 @@ async def test_only_replicas_that_share_a_pool_or_sit_out_are_scraped(table: Any
             assert scrapes["alone-1"] == 1  # healthy and alone again: not scraped
             assert scrapes["pair-1"] == scrapes["pair-2"] == 3
         finally:
-            resources.connections.close()
+            resources.scrapes.close()
 
 
 async def test_the_gateways_own_requests_are_not_counted_twice(table: Any) -> None:
@@ -116,7 +116,7 @@ async def test_the_gateways_own_requests_are_not_counted_twice(table: Any) -> No
         routes.publish(build_table([
             DeploymentRoutes("own", "own", "session", 2048, pair, ("own",))]))
         router = Router()
-        resources: Any = SimpleNamespace(router=router, connections=MarkedPool())
+        resources: Any = SimpleNamespace(router=router, scrapes=MarkedPool())
         try:
             router.state("own-1").in_flight = 1  # ours, running on the engine
             router.state("own-2").in_flight = 1  # ours; the engine has 2 from elsewhere
@@ -126,7 +126,7 @@ async def test_the_gateways_own_requests_are_not_counted_twice(table: Any) -> No
             router.state("own-2").in_flight = 0
             assert router.load("own-1") == 0 and router.load("own-2") == 2
         finally:
-            resources.connections.close()
+            resources.scrapes.close()
 
 
 async def test_waiters_take_the_slots_of_a_replica_that_comes_or_ends_sitting_out(

@@ -1,19 +1,50 @@
 """Warm upstream connections: a kept-alive connection the replica closes while it waits in
-the pool (the replica's own keep-alive ran out) is replaced by a new one while the replica
-was used recently, so the next burst finds its connections open; past the window, on a
-failed reconnect or once the pool is closed, nothing is opened again. Against the raw
-HTTP/1.1 server of test_upstream.py, on real sockets."""
+the pool (the replica's own keep-alive ran out) is replaced by a new one while it was used
+recently, so the next burst finds its connections open; the pool closes the replacement
+when the window ends (a server like vLLM's keeps a connection that carried no request for
+ever); past the window, on a failed reconnect, for a connection closed soon after it
+opened, or once the pool is closed, nothing is opened again. Against the raw HTTP/1.1
+server of test_upstream.py, on real sockets."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from serving.upstream import ConnectionPool
 from serving.upstream.connection import Connection
+from serving.upstream.pool import Target
 from tests.serving.test_upstream import RawServer, server, sized, until
 
 __all__ = ["server"]  # the fixture, used by name
+
+
+@dataclass
+class Replica:
+    """How the raw server treats its connections, as uvicorn (vLLM's server) does: one
+    that carried a request is closed `keep_alive` seconds after its answer; one that
+    carried none is kept for ever, or closed after `fresh_for` seconds when set. Read
+    when each wait begins, so a test can change them."""
+
+    keep_alive: float
+    fresh_for: float | None = None
+
+
+def serve_like(raw: RawServer, replica: Replica) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        fresh = True
+        while True:
+            limit = replica.fresh_for if fresh else replica.keep_alive
+            try:
+                await asyncio.wait_for(raw.read_request(reader), limit)
+            except TimeoutError:
+                return  # the replica closes it
+            fresh = False
+            writer.write(sized(b"{}"))
+            await writer.drain()
+
+    raw.handler = handler
 
 
 def warm_pool(seconds: float) -> ConnectionPool:
@@ -23,27 +54,11 @@ def warm_pool(seconds: float) -> ConnectionPool:
     return pool
 
 
-def keep_alive_for(raw: RawServer, seconds: list[float]) -> None:
-    """Answer requests on each connection, closing one that stays idle `seconds[0]`
-    (read when the wait begins, so a test can lengthen it)."""
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(raw.read_request(reader), seconds[0])
-            except TimeoutError:
-                return  # the replica's keep-alive ran out: it closes
-            writer.write(sized(b"{}"))
-            await writer.drain()
-
-    raw.handler = handler
-
-
 def open_idle(pool: ConnectionPool) -> list[Connection]:
     return [c for idle in pool.idle.values() for c in idle if not c.closed]
 
 
-def connection_closed(connection: Connection) -> Callable[[], bool]:
+def closed(connection: Connection) -> Callable[[], bool]:
     return lambda: connection.closed
 
 
@@ -56,70 +71,110 @@ async def ask(pool: ConnectionPool, url: str) -> bool:
     return reused
 
 
-async def test_a_connection_the_replica_closes_is_replaced_while_it_was_used_recently(
+async def replacement(pool: ConnectionPool, raw: RawServer) -> Connection:
+    """The connection opened in place of the first one, once it waits in the pool."""
+    await until(lambda: raw.connections == 2 and len(open_idle(pool)) == 1,
+                "the closed connection to be replaced")
+    return open_idle(pool)[0]
+
+
+async def test_a_connection_the_replica_closes_is_replaced_and_the_next_request_uses_it(
         server: RawServer) -> None:
-    keep_alive = [0.1]
-    keep_alive_for(server, keep_alive)
+    serve_like(server, Replica(keep_alive=0.1))
     pool = warm_pool(30.0)
     assert not await ask(pool, server.url)
-    keep_alive[0] = 10.0  # the replacement stays open
-    await until(lambda: server.connections == 2 and len(open_idle(pool)) == 1,
-                "the closed connection to be replaced")
+    standing = await replacement(pool, server)
+    used_at = standing.used_at
     assert await ask(pool, server.url)  # the next request finds it open
     assert server.connections == 2
+    # Used by a request, it is an ordinary kept-alive connection: the end of the window
+    # it was opened for does not close it.
+    pool.expire(standing, used_at)
+    assert standing.used_at != used_at and not standing.closed
     pool.close()
-    assert not pool.reopening and not open_idle(pool)
+
+
+async def test_the_pool_closes_a_replacement_when_the_window_ends(server: RawServer) -> None:
+    serve_like(server, Replica(keep_alive=0.1))  # a fresh connection is kept for ever
+    pool = warm_pool(1.0)
+    assert not await ask(pool, server.url)
+    standing = await replacement(pool, server)
+    await until(closed(standing), "the window to end")
+    assert not pool.reopening and not open_idle(pool)  # closed by the pool: not replaced
+    assert server.connections == 2
+    pool.close()
 
 
 async def test_past_the_window_a_closed_connection_is_let_go(server: RawServer) -> None:
-    keep_alive_for(server, [0.2])
+    serve_like(server, Replica(keep_alive=0.2))
     for pool in (warm_pool(0.05), warm_pool(0.0), ConnectionPool()):
         before = server.connections
         assert not await ask(pool, server.url)
         connection = pool.idle[next(iter(pool.idle))][0]
-        await until(connection_closed(connection), "the replica to close the connection")
+        await until(closed(connection), "the replica to close the connection")
         # The choice is made when the close is seen: nothing is being opened.
         assert not pool.reopening and not open_idle(pool)
         assert server.connections == before + 1
         pool.close()
 
 
-async def test_a_replica_gone_for_good_is_not_called_again(server: RawServer) -> None:
-    keep_alive = [0.1]
-    keep_alive_for(server, keep_alive)
+async def test_a_replica_gone_for_good_is_called_once(server: RawServer) -> None:
+    serve_like(server, Replica(keep_alive=0.1))
     pool = warm_pool(30.0)
+    connect = pool.connect
+    attempts = 0
+
+    async def counted(where: Target) -> Connection:
+        nonlocal attempts
+        attempts += 1
+        return await connect(where)
+
+    pool.connect = counted  # type: ignore[method-assign]
     assert not await ask(pool, server.url)
     assert server.server is not None
     server.server.close()  # no longer listening: the replacement's connect fails
-    await until(lambda: not pool.idle[next(iter(pool.idle))], "the close to be seen")
-    await until(lambda: not pool.reopening, "the failed reconnect to end")
+    await until(lambda: attempts == 2 and not pool.reopening, "the failed reconnect")
     assert server.connections == 1 and not open_idle(pool)
     pool.close()
 
 
-async def test_a_connection_closed_as_soon_as_opened_is_not_replaced(
+async def test_a_connection_closed_soon_after_it_opened_is_not_replaced(
         server: RawServer) -> None:
-    keep_alive = [0.2]
-    keep_alive_for(server, keep_alive)
+    serve_like(server, Replica(keep_alive=1.0, fresh_for=0.2))
     pool = warm_pool(30.0)
-    pool.replace_after = 0.15  # the first connection lives 0.2 s, longer
+    pool.replace_after = 0.8  # the first lives 1 s after its answer, the second 0.2 s
     assert not await ask(pool, server.url)
-    keep_alive[0] = 0.0  # from now on the server closes what it accepts at once
-    await until(lambda: server.connections == 2, "the first connection to be replaced")
-    await until(lambda: not pool.reopening and not open_idle(pool),
-                "the replacement to be closed by the server")
-    assert server.connections == 2  # not opened again: it lived less than replace_after
+    standing = await replacement(pool, server)
+    await until(closed(standing), "the server to close the replacement")
+    assert not pool.reopening and not open_idle(pool)
+    assert server.connections == 2
     pool.close()
 
 
-async def test_a_closed_pool_opens_nothing(server: RawServer) -> None:
-    keep_alive_for(server, [0.1])
+async def test_a_closed_pool_opens_and_keeps_nothing(server: RawServer) -> None:
+    serve_like(server, Replica(keep_alive=0.1))
     pool = warm_pool(30.0)
     assert not await ask(pool, server.url)
-    connection = pool.idle[next(iter(pool.idle))][0]
+    connect = pool.connect
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    async def gated(where: Target) -> Connection:
+        entered.set()
+        await gate.wait()
+        return await connect(where)
+
+    pool.connect = gated  # type: ignore[method-assign]
+    await asyncio.wait_for(entered.wait(), 5)  # a replacement is being opened
     pool.close()
-    await until(lambda: connection.closed and not pool.reopening, "the pool to close")
+    gate.set()
+    await until(lambda: not pool.reopening, "the replacement to be given up")
     assert server.connections == 1 and not open_idle(pool)
+    # An answer that ends after the pool closed does not leave its connection there.
+    pool.connect = connect  # type: ignore[method-assign]
+    response = await pool.request("POST", server.url, "/v1/completions", b"{}")
+    assert await response.read() == b"{}"
+    response.release()
+    assert response._connection.closed and not open_idle(pool)
 
 
 def test_the_gateway_reads_its_window_from_the_setting(settings) -> None:
