@@ -72,8 +72,9 @@ def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[s
                 for model, python in pythons.items():
                     product.run_locally(model, python)
         else:
-            paced, paced_url = start_engine(10.0, "fake", options.engine_keep_alive)
-            unpaced, unpaced_url = start_engine(0.0, "fast", options.engine_keep_alive)
+            keep_alive = options.engine_keep_alive or 5.0  # vLLM's
+            paced, paced_url = start_engine(10.0, "fake", keep_alive)
+            unpaced, unpaced_url = start_engine(0.0, "fast", keep_alive)
             processes += [paced, unpaced]
             for product in products:
                 product.route("fake", paced_url)

@@ -530,7 +530,7 @@ def main() -> None:
     parser.add_argument("--redis", action="store_true", help="with --compare-with: each "
                         "control plane with REDIS_URL (a database each on a private Redis): "
                         "rate limits and the route table in Redis, as for the gateway alone")
-    parser.add_argument("--engine-keep-alive", type=float, default=5.0, metavar="SECONDS",
+    parser.add_argument("--engine-keep-alive", type=float, metavar="SECONDS",
                         help="with --compare-with: the fake engines close a connection idle "
                         "this long (default 5, as vLLM); under a round's length, each round "
                         "of each gateway begins with its upstream connections closed")
@@ -548,10 +548,11 @@ def main() -> None:
         parser.error("--redis goes with --compare-with")
     if options.local and not options.compare_with:
         parser.error("--local goes with --compare-with")
-    if options.engine_keep_alive != 5.0 and (not options.compare_with or options.local):
-        parser.error("--engine-keep-alive goes with --compare-with (fake engines)")
-    if options.engine_keep_alive <= 0:
-        parser.error("--engine-keep-alive takes a number of seconds above 0")
+    if options.engine_keep_alive is not None:
+        if not options.compare_with or options.local:
+            parser.error("--engine-keep-alive goes with --compare-with (fake engines)")
+        if options.engine_keep_alive <= 0:
+            parser.error("--engine-keep-alive takes a number of seconds above 0")
     extra_env = dict(item.split("=", 1) for item in options.env)
     if options.compare_with:
         from bench.gateway_compare import compare_checkouts

@@ -342,6 +342,8 @@ def main() -> None:
                         help="close a kept-alive connection idle this long (default 5, "
                              "uvicorn's and vLLM's)")
     options = parser.parse_args()
+    if options.keep_alive <= 0:
+        parser.error("--keep-alive takes a number of seconds above 0")
     import uvicorn
 
     if not options.extra_ports:

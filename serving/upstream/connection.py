@@ -104,10 +104,11 @@ class Connection(asyncio.Protocol):
         self.head_timeout: float | None = None
         self.idle_timeout: float | None = None
         self.loop = asyncio.get_running_loop()
-        self.last_heard = 0.0  # loop time of the request or of the last bytes since
+        # Loop time of the request or of the last bytes since; kept while the connection
+        # waits in the pool (the end of its last answer: serving/upstream/pool.py).
+        self.last_heard = 0.0
         self.watchdog: asyncio.TimerHandle | None = None
         self.watchdog_due = 0.0
-        self.used_at = 0.0  # loop time of the end of its last answer (kept alive)
         self.opened_at = 0.0  # loop time the socket opened
 
     # --- asyncio.Protocol --------------------------------------------------------------
@@ -363,7 +364,6 @@ class Connection(asyncio.Protocol):
         self.parser, self.head = None, None
         self.body.clear()
         if reusable:  # its watchdog stays armed for the next request (see watch)
-            self.used_at = self.last_heard
             self.pool.put_back(self)
         else:
             self.abort()

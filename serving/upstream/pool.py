@@ -129,10 +129,10 @@ class ConnectionPool:
         loop = asyncio.get_running_loop()
         now = loop.time()
         window = self.warm_seconds()
-        if (now - connection.used_at >= window
-                or now - connection.opened_at < self.replace_after):
+        used_at = connection.last_heard  # the end of its last answer
+        if now - used_at >= window or now - connection.opened_at < self.replace_after:
             return
-        task = loop.create_task(self.reopen(connection.key, connection.used_at, window))
+        task = loop.create_task(self.reopen(connection.key, used_at, window))
         self.reopening.add(task)
         task.add_done_callback(self.reopening.discard)
 
@@ -144,17 +144,17 @@ class ConnectionPool:
             connection = await self.connect(Target(host, port, "", tls, b""))
         except UpstreamError:
             return
-        connection.used_at = used_at  # the window runs from the last request, not this
+        connection.last_heard = used_at  # the window runs from the last request, not this
         if self.shut or connection.closed:
             connection.abort()
             return
         self.put_back(connection)
-        connection.loop.call_at(used_at + window, self.expire, connection, used_at)
+        connection.loop.call_at(used_at + window, self.expire, connection)
 
-    def expire(self, connection: Connection, used_at: float) -> None:
+    def expire(self, connection: Connection) -> None:
         """The window of a replacement ended: closed, unless a request used it since
         (it is then an ordinary kept-alive connection, or busy)."""
-        if connection.used_at == used_at and self.forget(connection):
+        if not connection.reused and self.forget(connection):
             connection.abort()
 
     async def request(

@@ -9,8 +9,14 @@ server of test_upstream.py, on real sockets."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
 
 from serving.upstream import ConnectionPool
 from serving.upstream.connection import Connection
@@ -18,6 +24,7 @@ from serving.upstream.pool import Target
 from tests.serving.test_upstream import RawServer, server, sized, until
 
 __all__ = ["server"]  # the fixture, used by name
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -84,13 +91,13 @@ async def test_a_connection_the_replica_closes_is_replaced_and_the_next_request_
     pool = warm_pool(30.0)
     assert not await ask(pool, server.url)
     standing = await replacement(pool, server)
-    used_at = standing.used_at
     assert await ask(pool, server.url)  # the next request finds it open
     assert server.connections == 2
     # Used by a request, it is an ordinary kept-alive connection: the end of the window
     # it was opened for does not close it.
-    pool.expire(standing, used_at)
-    assert standing.used_at != used_at and not standing.closed
+    assert standing in open_idle(pool)
+    pool.expire(standing)
+    assert not standing.closed and standing in open_idle(pool)
     pool.close()
 
 
@@ -183,3 +190,24 @@ def test_the_gateway_reads_its_window_from_the_setting(settings) -> None:
     assert warm_seconds() == 60.0  # the default
     settings.GATEWAY_UPSTREAM_WARM_SECONDS = 0
     assert warm_seconds() == 0.0
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("-1", "GATEWAY_UPSTREAM_WARM_SECONDS=-1 is below the minimum of 0"),
+    ("86401", "GATEWAY_UPSTREAM_WARM_SECONDS=86401 is above the maximum of 86400"),
+    ("soon", "GATEWAY_UPSTREAM_WARM_SECONDS='soon' is not a number"),
+])
+def test_a_bad_window_is_refused_at_start(value: str, message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", "import controlplane.settings"], cwd=ROOT,
+        env={**os.environ, "GATEWAY_UPSTREAM_WARM_SECONDS": value},
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and message in result.stderr
+
+
+def test_the_fake_engine_refuses_a_keep_alive_of_zero() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "fakes.engine", "--port", "1", "--keep-alive", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--keep-alive takes a number of seconds above 0" \
+        in result.stderr
