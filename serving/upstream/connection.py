@@ -34,6 +34,31 @@ class UpstreamStalled(UpstreamError):
 # with them, else what to await before it can take more (a client reading slower than the
 # replica writes).
 Sink = Callable[[bytes, bool], Awaitable[None] | None]
+# Takes a read of a chunked body that is whole chunks, framing and all; returns whether it
+# took them (else they go to the parser and the Sink, as any other read).
+ChunkSink = Callable[[bytes], bool]
+
+HEX_DIGITS = b"0123456789abcdefABCDEF"
+EVENT_AND_CHUNK_END = b"\n\n\r\n"  # an SSE event's end, then its chunk's
+MOST_CHUNKS = 4  # in one read handed to a ChunkSink: more go to the parser, cheaper then
+
+
+def whole_chunks(data: bytes) -> bool:
+    """Whether `data` is one to MOST_CHUNKS whole chunks of a chunked body: each a size in
+    hex (no extension), its bytes, a line end; none the last (size 0)."""
+    if not data or data.count(b"\r\n") > 2 * MOST_CHUNKS:
+        return False
+    at, end = 0, len(data)
+    while at < end:
+        line = data.find(b"\r\n", at, at + 10)  # at most 8 hex digits
+        if line <= at or data[at:line].lstrip(HEX_DIGITS):
+            return False
+        size = int(data[at:line], 16)
+        at = line + 2 + size
+        if not size or data[at:at + 2] != b"\r\n":
+            return False
+        at += 2
+    return True
 
 
 class Response:
@@ -50,12 +75,18 @@ class Response:
         """Every body byte buffered now (waiting for some if none is); b"" at the end."""
         return await self._connection.read_some()
 
-    def deliver(self, sink: Sink) -> Awaitable[None]:
+    def deliver(self, sink: Sink, chunks: ChunkSink | None = None) -> Awaitable[None]:
         """Hand every body byte to `sink` as it arrives, until the end (the replica's
         error is raised): straight from the socket's callback while the caller waits, so a
         chunk costs no wake-up of the caller's task. The sink is told when the bytes it
-        gets are the last (when the end came with them)."""
-        return self._connection.deliver(sink)
+        gets are the last (when the end came with them).
+
+        With `chunks`, a read of an event stream that is whole chunks (and the parser
+        between two) is offered to it first, framing and all, unparsed: a relay that can
+        pass them on as they are saves the parsing and the framing again. The parser
+        stands between two chunks after a read that ended with an event's end and its
+        chunk's ("\\n\\n\\r\\n": an event's JSON holds no raw line end)."""
+        return self._connection.deliver(sink, chunks)
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -95,6 +126,9 @@ class Connection(asyncio.Protocol):
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.sink: Sink | None = None  # takes the body as it arrives (deliver)
+        self.chunk_sink: ChunkSink | None = None  # offered whole chunks first (deliver)
+        self.between_chunks = False  # the parser stands between two chunks of the body
+        self.chunked = False  # the answer's body comes in chunks
         self.held: Awaitable[None] | None = None  # what the sink waits on before more
         self.length_known = False
         self.keep_alive = False
@@ -119,9 +153,13 @@ class Connection(asyncio.Protocol):
         self.opened_at = self.loop.time()
 
     def data_received(self, data: bytes) -> None:
-        """Feed the answer's bytes to the parser."""
+        """Feed the answer's bytes to the parser (or whole chunks to the chunk sink)."""
         self.received = True
         self.last_heard = self.loop.time()
+        if (self.between_chunks and self.chunk_sink is not None and not self.body
+                and self.held is None and whole_chunks(data) and self.chunk_sink(data)):
+            return
+        self.between_chunks = data.endswith(EVENT_AND_CHUNK_END)
         if self.parser is None:  # bytes nobody asked for: the connection cannot be trusted
             self.abort()
             return
@@ -171,9 +209,8 @@ class Connection(asyncio.Protocol):
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in zip(self.header_names, self.header_values, strict=True)
         }
-        self.length_known = "content-length" in headers or "chunked" in headers.get(
-            "transfer-encoding", ""
-        )
+        self.chunked = "chunked" in headers.get("transfer-encoding", "")
+        self.length_known = self.chunked or "content-length" in headers
         if self.head is not None and not self.head.done():
             self.head.set_result(Response(self, self.parser.get_status_code(), headers))
         self.watch()  # from now on the idle limit applies
@@ -298,7 +335,7 @@ class Connection(asyncio.Protocol):
         if self.closed or self.transport is None:
             raise UpstreamError("the replica closed the connection")
         self.busy, self.received, self.complete, self.error = True, False, False, None
-        self.keep_alive = False
+        self.keep_alive = self.chunked = self.between_chunks = False
         self.header_names, self.header_values = [], []
         self.body.clear()
         self.buffered = 0
@@ -327,9 +364,9 @@ class Connection(asyncio.Protocol):
                 self.waiter = None
         return self.take_body()
 
-    async def deliver(self, sink: Sink) -> None:
+    async def deliver(self, sink: Sink, chunks: ChunkSink | None = None) -> None:
         """Hand the body to `sink` as it arrives, until it ends (see Response.deliver)."""
-        self.sink = sink
+        self.sink, self.chunk_sink = sink, chunks if self.chunked else None
         try:
             while True:
                 if self.held is not None:
@@ -350,7 +387,7 @@ class Connection(asyncio.Protocol):
                     finally:
                         self.waiter = None
         finally:
-            self.sink = None
+            self.sink = self.chunk_sink = None
             if isinstance(self.held, Unfinished):
                 self.held.close()
             self.held = None
