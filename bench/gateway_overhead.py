@@ -18,9 +18,11 @@ one router per engine, from the benchmark's own virtual environment (.bench/rout
 ignored by git, created on first use; never the project's). Rounds are interleaved (direct,
 gateway, router, direct, ...) so every path sees the same machine. Per path and load it
 prints TTFT p50/p99, the added TTFT against direct, the throughput ratio to direct and the
-CPU time per relayed event of the relaying process (psutil: user + system seconds of the
-process, every thread, over the events the client received in that path's rounds; the
-least noisy figure on a shared machine), also net of the process's CPU with no traffic,
+CPU time per relayed event of the relaying process (each thread's time on a CPU by the
+scheduler's own count, in nanoseconds, /proc/PID/task/TID/schedstat; psutil's user +
+system seconds, which Linux gives in 10 ms ticks, where a thread ended meanwhile or on
+another system; every thread, over the events the client received in that path's rounds;
+the least noisy figure on a shared machine), also net of the process's CPU with no traffic,
 and each round's burst: from its start until every stream had its first token, with how
 many cores the whole machine kept busy meanwhile (whether a burst's TTFT waits for a full
 machine or for one busy process);
