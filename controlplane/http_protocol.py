@@ -17,12 +17,7 @@ tenth of the CPU per relayed event). It returns False, writing nothing, when the
 must go the ASGI way (the client reads slower than the answer comes, it has gone, the
 answer is not chunked or not started).
 
-`extensions["fleetplane.write_chunks"]`, a function `(chunks) -> bool`, writes bytes
-that are whole chunks already (each its size line, its data and its line end; never the
-last, empty one) as they are, under the same conditions: the gateway hands a replica's
-own chunks through it when they need no change (serving/upstream/connection.py).
-
-It carries `extensions["fleetplane.when_lost"]` too too, a function `(callback | None)` that
+It carries `extensions["fleetplane.when_lost"]` too, a function `(callback | None)` that
 has `callback()` called once, from the connection's callback, if the client goes before
 the response is complete (at once when it has gone already); None takes it back. The
 gateway follows a stream this way: no task per stream waits on `receive` to learn it.
@@ -37,11 +32,9 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-# The scope's extensions holding HeadHeldTransport.write_body, .write_chunks and .when_lost;
-# the gateway reads them under the same names (serving/gateway/call.py), without importing
-# the server.
+# The scope's extensions holding HeadHeldTransport.write_body and .when_lost; the gateway
+# reads them under the same names (serving/gateway/call.py), without importing the server.
 WRITE_BODY = "fleetplane.write_body"
-WRITE_CHUNKS = "fleetplane.write_chunks"
 WHEN_LOST = "fleetplane.when_lost"
 
 
@@ -105,28 +98,12 @@ class HeadHeldTransport:
         if callback is not None:
             callback()
 
-    def streaming(self) -> RequestResponseCycle | None:
-        """The request's cycle, when a chunk can be written now: a chunked answer started
-        and not complete, the client there and reading."""
+    def write_body(self, body: bytes, more_body: bool) -> bool:
+        """One chunk of the chunked answer, written now (see the module's text)."""
         cycle = self.cycle()
         if (cycle is None or cycle.flow.write_paused or cycle.disconnected
                 or not cycle.response_started or cycle.response_complete
                 or not cycle.chunked_encoding):
-            return None
-        return cycle
-
-    def write_chunks(self, chunks: bytes) -> bool:
-        """Bytes framed as whole chunks already (not the last one), written as they are
-        (see the module's text)."""
-        if self.streaming() is None:
-            return False
-        self.write(chunks)
-        return True
-
-    def write_body(self, body: bytes, more_body: bool) -> bool:
-        """One chunk of the chunked answer, written now (see the module's text)."""
-        cycle = self.streaming()
-        if cycle is None:
             return False
         if more_body:
             if body:
@@ -155,7 +132,6 @@ class HttpProtocol(HttpToolsProtocol):
             cycle.transport = transport  # type: ignore[assignment]
             extensions: dict[str, Any] = {**cycle.scope.get("extensions", {}),
                                           WRITE_BODY: transport.write_body,
-                                          WRITE_CHUNKS: transport.write_chunks,
                                           WHEN_LOST: transport.when_lost}
             cycle.scope["extensions"] = extensions
 

@@ -19,7 +19,6 @@ from serving.calls import GatewayError, new_id
 from serving.gateway.call import (
     WHEN_LOST,
     WRITE_BODY,
-    WRITE_CHUNKS,
     Call,
     Receive,
     Scope,
@@ -155,7 +154,6 @@ class Gateway:
             call.receive = receive
             extensions = scope.get("extensions") or {}
             call.write_body = extensions.get(WRITE_BODY)
-            call.write_chunks = extensions.get(WRITE_CHUNKS)
             call.when_lost = extensions.get(WHEN_LOST)
             headers = headers + await charge_rate_limits(resources, call)
             try:

@@ -38,9 +38,6 @@ WriteBody = Callable[[bytes, bool], bool]
 # The scope's extension where the server offers a WriteBody (controlplane/http_protocol.py,
 # which names it alike).
 WRITE_BODY = "fleetplane.write_body"
-# Writes bytes framed as whole chunks already, as they are; False as for a WriteBody.
-WriteChunks = Callable[[bytes], bool]
-WRITE_CHUNKS = "fleetplane.write_chunks"
 # Has a callback called if the client goes (None: no longer), where the server offers it.
 WhenLost = Callable[[Callable[[], None] | None], None]
 WHEN_LOST = "fleetplane.when_lost"
@@ -84,7 +81,6 @@ class Call:
     limits: list[Limit] = field(default_factory=list)  # rate limits charged at admission
     receive: Receive | None = None  # an HTTP client's messages: leaving the queue on going
     write_body: WriteBody | None = None  # the server's, for the chunks of a stream
-    write_chunks: WriteChunks | None = None  # the server's, for a replica's own chunks
     when_lost: WhenLost | None = None  # the server's, to hear of the client going at once
     timing: Timing = field(default_factory=Timing)
     ticket: Ticket | None = None  # the admission slot held, given back when the call ends

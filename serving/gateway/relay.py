@@ -180,7 +180,7 @@ async def relay_events(events: EventRelay, response: Response) -> None:
     brought, in one write, handed over from the socket's callback (no wake-up of this
     task per chunk unless the client reads slower than the replica writes); the end of
     the answer in the same write as its last bytes when they came together."""
-    await response.deliver(events.take, events.take_chunks if events.write_chunks else None)
+    await response.deliver(events.take)
     if not events.ended:
         await events.send({"type": "http.response.body", "body": events.pending,
                            "more_body": False})
@@ -192,20 +192,18 @@ class EventRelay:
     far too where the replica adds it; the chunks timed and the events counted."""
 
     __slots__ = ("call", "ended", "found", "pending", "send", "strip", "timing",
-                 "write_body", "write_chunks")
+                 "write_body")
 
     def __init__(self, send: Send, call: Call, found: dict[str, Any]) -> None:
         self.send, self.call, self.found, self.timing = send, call, found, call.timing
         self.write_body = call.write_body  # the server's own, where it has one
-        # The replica's own chunks passed on as they are, where the server can and no
-        # chunk needs a change for every event (the usage so far taken out or read)
-        self.write_chunks = None if call.running_usage else call.write_chunks
         self.pending = b""
         self.strip = call.running_usage and not call.wants_running_usage
         self.ended = False  # the client's answer was ended (with the last bytes)
 
-    def tick(self) -> None:
-        """A read of the replica's answer came: timed."""
+    def take(self, chunk: bytes, last: bool) -> Awaitable[None] | None:
+        """One chunk in (`last`: the answer ends with it); what the send must still wait
+        on, if anything."""
         timing = self.timing
         now = time.perf_counter()
         if timing.chunks == 0:
@@ -214,24 +212,6 @@ class EventRelay:
             timing.gaps += now - timing.last_chunk
         timing.last_chunk = now
         timing.chunks += 1
-
-    def take_chunks(self, chunks: bytes) -> bool:
-        """Whole chunks of the replica's answer, framing and all: passed on as they are
-        when they end with a whole event, nothing before them waits for its end, none
-        carries a usage (taken out or read), and the client takes them now."""
-        assert self.write_chunks is not None
-        if (self.pending or b'"usage"' in chunks or not chunks.endswith(b"\n\n\r\n")
-                or not self.write_chunks(chunks)):
-            return False
-        self.tick()
-        self.timing.events += chunks.count(b"data: {")
-        return True
-
-    def take(self, chunk: bytes, last: bool) -> Awaitable[None] | None:
-        """One chunk in (`last`: the answer ends with it); what the send must still wait
-        on, if anything."""
-        self.tick()
-        timing = self.timing
         data = self.pending + chunk if self.pending else chunk
         cut = data.rfind(b"\n\n")
         if cut < 0:

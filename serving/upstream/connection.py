@@ -34,31 +34,6 @@ class UpstreamStalled(UpstreamError):
 # with them, else what to await before it can take more (a client reading slower than the
 # replica writes).
 Sink = Callable[[bytes, bool], Awaitable[None] | None]
-# Takes a read of a chunked body that is whole chunks, framing and all; returns whether it
-# took them (else they go to the parser and the Sink, as any other read).
-ChunkSink = Callable[[bytes], bool]
-
-HEX_DIGITS = b"0123456789abcdefABCDEF"
-EVENT_AND_CHUNK_END = b"\n\n\r\n"  # an SSE event's end, then its chunk's
-MOST_CHUNKS = 4  # in one read handed to a ChunkSink: more go to the parser, cheaper then
-
-
-def whole_chunks(data: bytes) -> bool:
-    """Whether `data` is one to MOST_CHUNKS whole chunks of a chunked body: each a size in
-    hex (no extension), its bytes, a line end; none the last (size 0)."""
-    if not data or data.count(b"\r\n") > 2 * MOST_CHUNKS:
-        return False
-    at, end = 0, len(data)
-    while at < end:
-        line = data.find(b"\r\n", at, at + 10)  # at most 8 hex digits
-        if line <= at or data[at:line].lstrip(HEX_DIGITS):
-            return False
-        size = int(data[at:line], 16)
-        at = line + 2 + size
-        if not size or data[at:at + 2] != b"\r\n":
-            return False
-        at += 2
-    return True
 
 
 class Response:
@@ -75,18 +50,12 @@ class Response:
         """Every body byte buffered now (waiting for some if none is); b"" at the end."""
         return await self._connection.read_some()
 
-    def deliver(self, sink: Sink, chunks: ChunkSink | None = None) -> Awaitable[None]:
+    def deliver(self, sink: Sink) -> Awaitable[None]:
         """Hand every body byte to `sink` as it arrives, until the end (the replica's
         error is raised): straight from the socket's callback while the caller waits, so a
         chunk costs no wake-up of the caller's task. The sink is told when the bytes it
-        gets are the last (when the end came with them).
-
-        With `chunks`, a read of an event stream that is whole chunks (and the parser
-        between two) is offered to it first, framing and all, unparsed: a relay that can
-        pass them on as they are saves the parsing and the framing again. The parser
-        stands between two chunks after a read that ended with an event's end and its
-        chunk's ("\\n\\n\\r\\n": an event's JSON holds no raw line end)."""
-        return self._connection.deliver(sink, chunks)
+        gets are the last (when the end came with them)."""
+        return self._connection.deliver(sink)
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -126,9 +95,6 @@ class Connection(asyncio.Protocol):
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.sink: Sink | None = None  # takes the body as it arrives (deliver)
-        self.chunk_sink: ChunkSink | None = None  # offered whole chunks first (deliver)
-        self.between_chunks = False  # the parser stands between two chunks of the body
-        self.chunked = False  # the answer's body comes in chunks
         self.held: Awaitable[None] | None = None  # what the sink waits on before more
         self.length_known = False
         self.keep_alive = False
@@ -153,13 +119,9 @@ class Connection(asyncio.Protocol):
         self.opened_at = self.loop.time()
 
     def data_received(self, data: bytes) -> None:
-        """Feed the answer's bytes to the parser (or whole chunks to the chunk sink)."""
+        """Feed the answer's bytes to the parser."""
         self.received = True
         self.last_heard = self.loop.time()
-        if (self.between_chunks and self.chunk_sink is not None and not self.body
-                and self.held is None and whole_chunks(data) and self.chunk_sink(data)):
-            return
-        self.between_chunks = data.endswith(EVENT_AND_CHUNK_END)
         if self.parser is None:  # bytes nobody asked for: the connection cannot be trusted
             self.abort()
             return
@@ -209,8 +171,9 @@ class Connection(asyncio.Protocol):
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in zip(self.header_names, self.header_values, strict=True)
         }
-        self.chunked = "chunked" in headers.get("transfer-encoding", "")
-        self.length_known = self.chunked or "content-length" in headers
+        self.length_known = "content-length" in headers or "chunked" in headers.get(
+            "transfer-encoding", ""
+        )
         if self.head is not None and not self.head.done():
             self.head.set_result(Response(self, self.parser.get_status_code(), headers))
         self.watch()  # from now on the idle limit applies
@@ -335,7 +298,7 @@ class Connection(asyncio.Protocol):
         if self.closed or self.transport is None:
             raise UpstreamError("the replica closed the connection")
         self.busy, self.received, self.complete, self.error = True, False, False, None
-        self.keep_alive = self.chunked = self.between_chunks = False
+        self.keep_alive = False
         self.header_names, self.header_values = [], []
         self.body.clear()
         self.buffered = 0
@@ -364,9 +327,9 @@ class Connection(asyncio.Protocol):
                 self.waiter = None
         return self.take_body()
 
-    async def deliver(self, sink: Sink, chunks: ChunkSink | None = None) -> None:
+    async def deliver(self, sink: Sink) -> None:
         """Hand the body to `sink` as it arrives, until it ends (see Response.deliver)."""
-        self.sink, self.chunk_sink = sink, chunks if self.chunked else None
+        self.sink = sink
         try:
             while True:
                 if self.held is not None:
@@ -387,7 +350,7 @@ class Connection(asyncio.Protocol):
                     finally:
                         self.waiter = None
         finally:
-            self.sink = self.chunk_sink = None
+            self.sink = None
             if isinstance(self.held, Unfinished):
                 self.held.close()
             self.held = None

@@ -17,7 +17,6 @@ import pytest
 from serving.models import ApiKey
 from serving.routes import DeploymentRoutes, RouteReplica, build_table, routes
 from tests.factories import make_api_key
-from tests.serving.test_gateway_chunks import passed  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 MODEL = "smollm2"
@@ -71,26 +70,6 @@ def test_a_streamed_chat_gives_the_same_answer_as_the_non_streamed_one(
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage == whole.usage
     assert whole.usage is not None and whole.usage.completion_tokens > 0
-
-
-def test_an_external_vllm_streams_its_chunks_through_as_they_came(
-        gateway_url: str, vllm_url: str, passed: list[bytes]) -> None:  # noqa: F811
-    # An external endpoint: no usage so far on each chunk, so vLLM's own chunks can pass.
-    routes.publish(build_table([DeploymentRoutes(
-        deployment="smollm2", served_model_name=MODEL, policy="least-load",
-        max_model_len=1024, replicas=(RouteReplica("smollm2-external", vllm_url),),
-        names=(MODEL,))]))
-    key = make_api_key(ApiKey.Scope.INFERENCE)
-    direct = replica_client(vllm_url).chat.completions.create(
-        model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
-    stream = sync_client(gateway_url, key).chat.completions.create(
-        model=MODEL, messages=QUESTION, temperature=0, max_tokens=32, stream=True,
-        stream_options={"include_usage": True})
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == direct.choices[0].message.content
-    assert [c.usage for c in chunks if c.usage] == [direct.usage]
-    assert passed  # vLLM's chunks went to the client as they came
 
 
 def test_an_alias_reaches_the_model(gateway_url: str, key: str) -> None:
