@@ -1,38 +1,70 @@
 """The CPU figure the gateway benchmarks judge by (bench/path_figures.py): each thread's
 time on a CPU by the scheduler's count, not psutil's 10 ms ticks, and the ticks where a
-thread's count cannot be trusted."""
+thread's count cannot be trusted. Measured on a process of its own, whose threads are
+only the ones each case makes."""
 
 from __future__ import annotations
 
-import os
-import threading
-import time
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
 
 from bench.path_figures import CpuReading, Endpoint
 
-ME = Endpoint("this process", {}, None, {"model": os.getpid()})
-
-
-def spin(seconds: float) -> None:
+# Spins for the thread time asked on each line (in a thread of its own with "thread"),
+# then prints the process's CPU time that took.
+SPINNER = """
+import sys, threading, time
+def spin(seconds):
     started = time.thread_time()
     while time.thread_time() - started < seconds:
         pass
+print("ready", flush=True)
+for line in sys.stdin:
+    seconds, where = line.split()
+    started = time.process_time()
+    if where == "thread":
+        worker = threading.Thread(target=spin, args=(float(seconds),))
+        worker.start()
+        worker.join()
+    else:
+        spin(float(seconds))
+    print(time.process_time() - started, flush=True)
+"""
 
 
-def test_a_process_cpu_is_counted_to_well_under_a_tick() -> None:
-    before, started = ME.cpu_reading("model"), time.process_time()
-    spin(0.013)  # not a whole number of 10 ms ticks
-    spent = ME.cpu_reading("model").since(before)
-    assert abs(spent - (time.process_time() - started)) < 0.002
+@pytest.fixture
+def spinner() -> Iterator[subprocess.Popen[str]]:
+    process = subprocess.Popen([sys.executable, "-c", SPINNER], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    yield process
+    process.kill()
+    process.wait(timeout=10)
 
 
-def test_a_thread_that_came_and_went_is_not_left_out() -> None:
-    before, started = ME.cpu_reading("model"), time.process_time()
-    worker = threading.Thread(target=spin, args=(0.06,))
-    worker.start()
-    worker.join()  # its count went with it: the ticks are taken, to within their rounding
-    spent = ME.cpu_reading("model").since(before)
-    assert abs(spent - (time.process_time() - started)) < 0.025
+def spin(process: subprocess.Popen[str], seconds: float, where: str) -> tuple[float, float]:
+    """CPU seconds the benchmark counts for one spin of `process`, and what it says."""
+    assert process.stdin is not None and process.stdout is not None
+    endpoint = Endpoint("spinner", {}, None, {"model": process.pid})
+    before = endpoint.cpu_reading("model")
+    process.stdin.write(f"{seconds} {where}\n")
+    process.stdin.flush()
+    said = float(process.stdout.readline())
+    return endpoint.cpu_reading("model").since(before), said
+
+
+def test_a_process_cpu_is_counted_to_well_under_a_tick(
+        spinner: subprocess.Popen[str]) -> None:
+    counted, said = spin(spinner, 0.013, "main")  # not a whole number of 10 ms ticks
+    assert abs(counted - said) < 0.002
+
+
+def test_a_thread_that_came_and_went_is_not_left_out(spinner: subprocess.Popen[str]) -> None:
+    counted, said = spin(spinner, 0.06, "thread")  # its count went with it: the ticks
+    assert abs(counted - said) < 0.025
 
 
 def test_a_thread_gone_or_a_count_gone_back_falls_back_to_the_ticks() -> None:
