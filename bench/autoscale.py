@@ -39,7 +39,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import ControlPlane  # noqa: E402
+from bench.planes import ControlPlane  # noqa: E402
 from models_registry.demo import DEMO_MODEL_NAME  # noqa: E402
 from tests.processes import end_replicas, manage, stop_server  # noqa: E402
 

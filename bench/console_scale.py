@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.dashboard_fanout import session_cookie  # noqa: E402
-from bench.gateway_overhead import ControlPlane  # noqa: E402
+from bench.planes import ControlPlane  # noqa: E402
 
 PAGES = ("/deployments/", "/models/", "/keys/", "/dashboard/", "/deployments/fleet-00999/",
          "/deployments/?search=fleet-009&state=running", "/deployments/?page=20")

@@ -28,7 +28,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import ControlPlane, start_engine  # noqa: E402
+from bench.planes import ControlPlane, start_engine  # noqa: E402
 
 
 def session_cookie(url: str, username: str, password: str) -> str:

@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.dashboard_fanout import session_cookie  # noqa: E402
-from bench.gateway_overhead import ControlPlane  # noqa: E402
+from bench.planes import ControlPlane  # noqa: E402
 from bench.profile_summary import summarize_profile  # noqa: E402
 from tests.processes import free_port, start_server, stop_server, wait_healthy  # noqa: E402
 

@@ -20,14 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import (  # noqa: E402
-    LOADS,
-    ControlPlane,
-    Endpoint,
-    interleave,
-    profile_load,
-    start_engine,
-)
+from bench.path_figures import LOADS, Endpoint, interleave, profile_load  # noqa: E402
+from bench.planes import ENGINE_KEEP_ALIVE, ControlPlane, start_engine  # noqa: E402
 from fakes.vllm_cli import stand_in_python  # noqa: E402
 
 
@@ -72,7 +66,7 @@ def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[s
                 for model, python in pythons.items():
                     product.run_locally(model, python)
         else:
-            keep_alive = options.engine_keep_alive or 5.0  # vLLM's
+            keep_alive = options.engine_keep_alive or ENGINE_KEEP_ALIVE
             paced, paced_url = start_engine(10.0, "fake", keep_alive)
             unpaced, unpaced_url = start_engine(0.0, "fast", keep_alive)
             processes += [paced, unpaced]

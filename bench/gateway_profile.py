@@ -17,15 +17,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import (  # noqa: E402
-    ControlPlane,
-    Endpoint,
-    interleave,
-    load,
-    router_executable,
-    start_engine,
-)
+from bench.gateway_overhead import router_executable  # noqa: E402
+from bench.path_figures import Endpoint, interleave  # noqa: E402
+from bench.planes import ControlPlane, start_engine  # noqa: E402
 from bench.profile_summary import summarize_profile  # noqa: E402
+from bench.stream_load import load  # noqa: E402
 
 
 def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
@@ -52,7 +48,7 @@ def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> N
         driver.start()
         time.sleep(2)  # let the streams reach their steady state first
         gateway = Endpoint("gateway", {}, None, {model: product.process.pid})
-        before, started = gateway.cpu_seconds(model), time.monotonic()
+        before, started = gateway.cpu_reading(model), time.monotonic()
         subprocess.run([str(py_spy), "record", "--pid", str(product.process.pid),
                         "--duration", str(options.profile_seconds), "--rate", "100",
                         "--format", "raw", "--threads",
@@ -60,7 +56,7 @@ def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> N
                         *(["--native"] if options.profile_native else ["--nonblocking"]),
                         "--output", options.profile], check=True,
                        stdout=subprocess.DEVNULL)
-        busy = (gateway.cpu_seconds(model) - before) / (time.monotonic() - started)
+        busy = gateway.cpu_reading(model).since(before) / (time.monotonic() - started)
         stop.set()
         driver.join(timeout=60)
         unsampled = interleave(load_, [replace(gateway, urls={model: url}, key=key)], 1)[0]
@@ -91,12 +87,12 @@ def profile_idle(options: argparse.Namespace, extra_env: dict[str, str]) -> None
             product.route(model, engine_url)
         time.sleep(10)  # past the first passes that follow the routes' creation
         gateway = Endpoint("gateway", {}, None, {"fake": product.process.pid})
-        before, started = gateway.cpu_seconds("fake"), time.monotonic()
+        before, started = gateway.cpu_reading("fake"), time.monotonic()
         subprocess.run([str(py_spy), "record", "--pid", str(product.process.pid),
                         "--duration", str(options.profile_seconds), "--rate", "1000",
                         "--format", "raw", "--threads", "--nonblocking",
                         "--output", options.profile], check=True, stdout=subprocess.DEVNULL)
-        busy = (gateway.cpu_seconds("fake") - before) / (time.monotonic() - started)
+        busy = gateway.cpu_reading("fake").since(before) / (time.monotonic() - started)
     finally:
         product.stop()
         for engine in engines:

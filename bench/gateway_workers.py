@@ -6,7 +6,8 @@ Each server is the product itself (controllers in its parent process) with the e
 registered as an external deployment and REDIS_URL on a private `redis-server` (more than
 one worker requires it; the one-worker server gets it too, so the two differ only in the
 worker count), plus, for reference, the embedded default (one process, no Redis). The
-loads are gateway_overhead.py's (its load client and engines, imported): unpaced 64
+loads are gateway_overhead.py's (its load client, bench/stream_load.py, and engines,
+bench/planes.py): unpaced 64
 streams of 1024 tokens (--tokens), and paced (10 ms/token) 128 streams of 256. Printed
 per load and server: tokens per second, the ratio to direct, TTFT p50, and the CPU time
 per relayed event of the server's processes together (parent and workers). Everything
@@ -25,16 +26,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from gateway_overhead import (  # noqa: E402
-    ControlPlane,
-    Side,
-    load,
-    start_engine,
-    wait_routed_by_every_worker,
-)
-
+from bench.path_figures import Side  # noqa: E402
+from bench.planes import ControlPlane, start_engine, wait_routed_by_every_worker  # noqa: E402
+from bench.stream_load import load  # noqa: E402
 from tests.services import private_redis  # noqa: E402
 
 

@@ -278,7 +278,7 @@ def relay_comparison(options: argparse.Namespace) -> None:
     planes, each with one fake replica (10 ms/token) and its own database, the same private
     Redis (the split layout needs it for the route table; the embedded one is given it too,
     so that only the process layout differs); rounds interleaved, direct first."""
-    from bench.gateway_overhead import load
+    from bench.stream_load import load
     from tests.services import PrivateRedis
 
     redis = PrivateRedis(free_port(), Path(tempfile.mkdtemp(prefix="idle-cpu-redis-")))

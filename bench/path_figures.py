@@ -61,13 +61,9 @@ class Endpoint:
         return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
                    if line.startswith("python_gc_collections_total{"))
 
-    def cpu_seconds(self, model: str) -> float:
-        """User + system CPU of the process relaying `model` and its children (every
-        thread) so far; 0 for the engine itself."""
-        return self.cpu_reading(model).ticks
-
     def cpu_reading(self, model: str) -> CpuReading:
-        """The same, and each of their threads' time on a CPU (see CpuReading)."""
+        """The CPU of the process relaying `model` and its children (every thread) so
+        far (see CpuReading); none for the engine itself."""
         import psutil
 
         if model not in self.pids:

@@ -32,7 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import ControlPlane, start_engine, start_vllm  # noqa: E402
+from bench.planes import ControlPlane, start_engine, start_vllm  # noqa: E402
 
 PROMPT = "Name three colours of the rainbow."
 

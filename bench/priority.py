@@ -33,7 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import ControlPlane  # noqa: E402
+from bench.planes import ControlPlane  # noqa: E402
 from tests.processes import free_port, manage, wait_healthy  # noqa: E402
 
 MAX_RUNNING = 8

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.dashboard_fanout import session_cookie  # noqa: E402
-from bench.gateway_overhead import ControlPlane, start_engine  # noqa: E402
+from bench.planes import ControlPlane, start_engine  # noqa: E402
 
 MODEL = "fake"
 MIB = 1024 * 1024

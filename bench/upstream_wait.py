@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import ControlPlane, GatewayOnly, start_engine  # noqa: E402
+from bench.planes import ControlPlane, GatewayOnly, start_engine  # noqa: E402
 from bench.stream_load import load  # noqa: E402
 from tests.services import private_redis  # noqa: E402
 

@@ -14,17 +14,16 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from serving.upstream import ConnectionPool
 from serving.upstream.connection import Connection
 from serving.upstream.pool import Target
+from tests.processes import ROOT
 from tests.serving.test_upstream import RawServer, server, sized, until
 
 __all__ = ["server"]  # the fixture, used by name
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
