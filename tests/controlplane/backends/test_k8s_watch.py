@@ -22,11 +22,11 @@ MANAGED = {"app.kubernetes.io/managed-by": "fleetplane", "fleetplane.io/install"
 
 
 @pytest.fixture
-def watchers() -> Iterator[Callable[[Cluster], PodWatcher]]:
+def watchers() -> Iterator[Callable[..., PodWatcher]]:
     started: list[PodWatcher] = []
 
-    def start(cluster: Cluster) -> PodWatcher:
-        watcher = PodWatcher(cluster, lambda: None)
+    def start(cluster: Cluster, on_change: Callable[[], None] = lambda: None) -> PodWatcher:
+        watcher = PodWatcher(cluster, on_change)  # told before its thread lists
         started.append(watcher)
         return watcher.start()
 
@@ -58,14 +58,13 @@ def names(watcher: PodWatcher) -> list[str]:
 
 
 def test_the_watch_lists_then_follows_changes(
-        emulated: EmulatedCluster, watchers: Callable[[Cluster], PodWatcher]) -> None:
+        emulated: EmulatedCluster, watchers: Callable[..., PodWatcher]) -> None:
     from kubernetes import client
 
     cluster = Cluster(CONFIG, api_client(CONFIG, emulated.url))
     create_pod(cluster, "before", MANAGED)
     changes: list[int] = []
-    watcher = watchers(cluster)
-    watcher.on_change = lambda: changes.append(1)
+    watcher = watchers(cluster, lambda: changes.append(1))  # the first list counts too
     wait_for(lambda: watcher.watching, "a watch open")
     assert names(watcher) == ["before"] and watcher.lists == 1
     create_pod(cluster, "after", MANAGED)
