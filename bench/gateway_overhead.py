@@ -23,9 +23,11 @@ scheduler's own count, in nanoseconds, /proc/PID/task/TID/schedstat; psutil's us
 system seconds, which Linux gives in 10 ms ticks, where a thread ended meanwhile or on
 another system; every thread, over the events the client received in that path's rounds;
 the least noisy figure on a shared machine), also net of the process's CPU with no traffic,
-and each round's burst: from its start until every stream had its first token, with how
-many cores the whole machine kept busy meanwhile (whether a burst's TTFT waits for a full
-machine or for one busy process);
+how long its threads waited for a CPU per event (runnable but not yet running: the
+machine's other processes held the cores, or an idle core was still waking; the same
+file's count), and each round's burst: from its start until every stream had its first
+token, with how many cores the whole machine kept busy meanwhile (whether a burst's TTFT
+waits for a full machine or for one busy process);
 then one markdown table and, on the last lines, each target of the gateway against the
 router (added TTFT p50 within the router's + 2 ms, throughput ratio at least the router's,
 CPU per event at most the router's) met or missed.

@@ -12,7 +12,7 @@ import contextlib
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -70,14 +70,16 @@ class Endpoint:
             return CpuReading(0.0, {})
         total = 0.0
         threads: dict[tuple[int, int], int] = {}
+        waits: dict[tuple[int, int], int] = {}
         process = psutil.Process(self.pids[model])
         members = (process, *helpers_of(process))
         for member in members:
             with contextlib.suppress(psutil.Error):
                 times = member.cpu_times()
                 total += times.user + times.system
-                threads.update(thread_nanoseconds(member.pid))
-        return CpuReading(total, threads, len(members))
+                for thread, (ran, waited) in thread_schedstat(member.pid).items():
+                    threads[thread], waits[thread] = ran, waited
+        return CpuReading(total, threads, len(members), waits)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,20 @@ class CpuReading:
     ticks: float
     threads: dict[tuple[int, int], int]
     processes: int = 1
+    # Each thread's nanoseconds runnable but not yet running (the same file's second
+    # field): the machine's other processes held the cores, or an idle one was waking.
+    waits: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def waited_since(self, before: CpuReading) -> float | None:
+        """Seconds the threads waited for a CPU from `before` to this reading; None where
+        a thread of `before` is gone or went back (the wait of a thread that ended is not
+        known) or there are no counts."""
+        after = self.waits
+        if not after or not before.waits.keys() <= after.keys() or any(
+                after[thread] < waited for thread, waited in before.waits.items()):
+            return None
+        return sum(waited - before.waits.get(thread, 0)
+                   for thread, waited in after.items()) / 1e9
 
     def since(self, before: CpuReading) -> float:
         """Seconds of CPU from `before` to this reading: the threads' own counts, unless
@@ -108,15 +124,16 @@ class CpuReading:
         return ticks if counted < ticks - rounding else counted
 
 
-def thread_nanoseconds(pid: int) -> dict[tuple[int, int], int]:
-    """Each thread of `pid` and its nanoseconds on a CPU so far; none where Linux does
-    not give them (another system, or a process gone)."""
-    found: dict[tuple[int, int], int] = {}
+def thread_schedstat(pid: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """Each thread of `pid` and its nanoseconds on a CPU and waiting for one so far; none
+    where Linux does not give them (another system, or a process gone)."""
+    found: dict[tuple[int, int], tuple[int, int]] = {}
     with contextlib.suppress(OSError):
         for thread in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError, ValueError, IndexError):
                 with open(f"/proc/{pid}/task/{thread}/schedstat") as stat:
-                    found[(pid, int(thread))] = int(stat.read().split()[0])
+                    ran, waited = stat.read().split()[:2]
+                    found[(pid, int(thread))] = (int(ran), int(waited))
     return found
 
 
@@ -128,6 +145,10 @@ class Side:
     cpu: float  # seconds of the path's process CPU over its rounds
     idle: float = 0.0  # the process's CPU per second with no traffic (its background)
     collections: int = 0  # the cycle collector's runs in the process over its rounds
+    # Seconds its threads waited for a CPU over the rounds where that is known, and how
+    # many events those rounds relayed.
+    waited: float = 0.0
+    waited_events: int = 0
 
     @property
     def requests(self) -> int:
@@ -151,6 +172,11 @@ class Side:
     def cpu_per_event_us(self) -> float:
         """Microseconds of the process's CPU per relayed event."""
         return self.cpu / max(1, self.events) * 1e6
+
+    @property
+    def waited_per_event_us(self) -> float | None:
+        """Microseconds its threads waited for a CPU per relayed event (None: unknown)."""
+        return self.waited / self.waited_events * 1e6 if self.waited_events else None
 
     @property
     def cpu_per_request_ms(self) -> float:
@@ -230,10 +256,15 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
         for endpoint, side in zip(endpoints, sides, strict=True):
             collected = endpoint.collections()
             before = endpoint.cpu_reading(load_.model)
-            side.runs.append(asyncio.run(load(endpoint.urls[load_.model], load_.model,
-                                              load_.streams, load_.tokens, endpoint.key,
-                                              load_.requests)))
-            side.cpu += endpoint.cpu_reading(load_.model).since(before)
+            run = asyncio.run(load(endpoint.urls[load_.model], load_.model, load_.streams,
+                                   load_.tokens, endpoint.key, load_.requests))
+            side.runs.append(run)
+            after = endpoint.cpu_reading(load_.model)
+            side.cpu += after.since(before)
+            waited = after.waited_since(before)
+            if waited is not None:
+                side.waited += waited
+                side.waited_events += run.tokens
             side.collections += endpoint.collections() - collected
     return sides
 
@@ -251,6 +282,8 @@ def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds
               f"{side.rate / direct.rate:.3f}, "
               + (f"{side.cpu_per_event_us:.1f} us CPU/event "
                  f"({side.net_cpu_per_event_us:.1f} net of idle), " if endpoint.pids else "")
+              + (f"waited {side.waited_per_event_us:.1f} us/event for a CPU, "
+                 if side.waited_per_event_us is not None else "")
               + f"burst {side.burst_ms:.1f} ms with the machine {side.burst_cores:.2f} of "
               f"{os.cpu_count()} cores busy, errors {side.errors}", flush=True)
 

@@ -5,6 +5,7 @@ only the ones each case makes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -76,3 +77,38 @@ def test_a_thread_gone_or_a_count_gone_back_falls_back_to_the_ticks() -> None:
     assert abs(CpuReading(1.3, {(1, 1): 900_000_000, (1, 2): 10}).since(before)
                - 0.3) < 1e-9  # thread 2's number is another thread's now
     assert CpuReading(0.0, {}).since(CpuReading(0.0, {})) == 0.0
+
+
+def test_the_wait_for_a_cpu_is_counted_while_another_process_holds_it(
+        spinner: subprocess.Popen[str]) -> None:
+    """Two spinners on one CPU: the measured one waits about as long as it runs."""
+    rival = subprocess.Popen([sys.executable, "-c", SPINNER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert rival.stdin is not None and rival.stdout is not None
+        assert rival.stdout.readline() == "ready\n"
+        cpu = min(os.sched_getaffinity(0))
+        for process in (spinner, rival):
+            os.sched_setaffinity(process.pid, {cpu})
+        rival.stdin.write("5 main\n")  # spins on while the measured one does
+        rival.stdin.flush()
+        endpoint = Endpoint("spinner", {}, None, {"model": spinner.pid})
+        before = endpoint.cpu_reading("model")
+        counted, said = spin(spinner, 0.1, "main")
+        waited = endpoint.cpu_reading("model").waited_since(before)
+        assert waited is not None and waited > 0.04, waited
+        assert abs(counted - said) < 0.002
+    finally:
+        rival.kill()
+        rival.wait(timeout=10)
+
+
+def test_the_wait_is_unknown_when_a_thread_is_gone_or_went_back() -> None:
+    before = CpuReading(1.0, {(1, 1): 5, (1, 2): 5}, 1, {(1, 1): 100, (1, 2): 200})
+    waited = CpuReading(1.5, {(1, 1): 9, (1, 2): 9, (1, 3): 1}, 1,
+                        {(1, 1): 400, (1, 2): 200, (1, 3): 50}).waited_since(before)
+    assert waited is not None and abs(waited - 350e-9) < 1e-15  # 300 + 0 + 50 ns
+    assert CpuReading(1.2, {(1, 1): 9}, 1, {(1, 1): 400}).waited_since(before) is None
+    assert CpuReading(1.2, {(1, 1): 9, (1, 2): 9}, 1,
+                      {(1, 1): 400, (1, 2): 10}).waited_since(before) is None
+    assert CpuReading(0.0, {}).waited_since(CpuReading(0.0, {})) is None
