@@ -5,7 +5,9 @@ A, B). Per load: each server's CPU per relayed event and per request, TTFT p50, 
 their CPU ratio, and how often each server's cycle collector ran per 100 requests
 (python_gc_collections_total on its /metrics, read around each of its rounds). With
 --local, the engines are replicas each control plane runs itself; with --redis, each
-control plane has REDIS_URL (a database each on a private Redis).
+control plane has REDIS_URL (a database each on a private Redis). With --other-python,
+the other checkout runs under that interpreter (`--compare-with . --other-python PATH`:
+this code under two interpreters).
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from fakes.vllm_cli import stand_in_python  # noqa: E402
 
 
 class OtherCheckout(ControlPlane):
-    """The control plane of another checkout of the project (its code, the same venv)."""
+    """The control plane of another checkout of the project (its code, this venv unless
+    another interpreter is given)."""
 
-    def __init__(self, root: Path, extra_env: dict[str, str]) -> None:
+    def __init__(self, root: Path, extra_env: dict[str, str], python: str | None = None
+                 ) -> None:
         self.root = root
+        self.python = python or sys.executable
         super().__init__(**extra_env)
 
 
@@ -57,7 +62,8 @@ def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[s
     """The body of compare_checkouts: each control plane with its own settings."""
     rounds = options.rounds or (2 if options.quick else 4)
     names = options.loads or ["paced-1", "paced-16", "unpaced-64"]
-    products = [ControlPlane(**envs[0]), OtherCheckout(other_root, envs[1])]
+    products = [ControlPlane(**envs[0]),
+                OtherCheckout(other_root, envs[1], options.other_python)]
     processes: list[subprocess.Popen[bytes]] = []
     summary: list[str] = []
     try:
@@ -101,5 +107,6 @@ def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[s
         for process in processes:
             process.kill()
     print(f"gateway overhead against {other_root}"
+          f"{f' under {options.other_python}' if options.other_python else ''}"
           f"{' (local replicas)' if options.local else ''}"
           f"{' (Redis)' if options.redis else ''}: " + "; ".join(summary))

@@ -40,7 +40,8 @@ planes it starts in bench/planes.py.
 
     .venv/bin/python bench/gateway_overhead.py [--loads NAME,...] [--rounds N] [--quick]
         [--no-router] [--no-gateway-only] [--workers N] [--vllm]
-        [--compare-with PATH [--local] [--redis] [--engine-keep-alive SECONDS]]
+        [--compare-with PATH [--local] [--redis] [--engine-keep-alive SECONDS]
+                             [--other-python PATH]]
         [--profile PATH [--profile-native | --profile-idle]]
 """
 
@@ -326,6 +327,9 @@ def main() -> None:
                         help="with --compare-with: the fake engines close a connection idle "
                         "this long (default 5, as vLLM); under a round's length, each round "
                         "of each gateway begins with its upstream connections closed")
+    parser.add_argument("--other-python", metavar="PATH", help="with --compare-with: the "
+                        "interpreter of the other checkout's server (an environment with "
+                        "the project's requirements), e.g. another Python version")
     parser.add_argument("--local", action="store_true", help="with --compare-with: the "
                         "engines are replicas each control plane runs (their chunks carry "
                         "the usage so far, which the gateway takes out)")
@@ -340,6 +344,12 @@ def main() -> None:
         parser.error("--redis goes with --compare-with")
     if options.local and not options.compare_with:
         parser.error("--local goes with --compare-with")
+    if options.other_python is not None:
+        if not options.compare_with:
+            parser.error("--other-python goes with --compare-with")
+        if not (os.path.isfile(options.other_python)
+                and os.access(options.other_python, os.X_OK)):
+            parser.error(f"--other-python {options.other_python}: not an executable file")
     if options.engine_keep_alive is not None:
         if not options.compare_with or options.local:
             parser.error("--engine-keep-alive goes with --compare-with (fake engines)")

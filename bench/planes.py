@@ -52,6 +52,7 @@ class ControlPlane:
     """The control plane, with engines registered as external deployments."""
 
     root = ROOT  # whose code runs: this checkout's
+    python = sys.executable  # the interpreter that runs it: this benchmark's
     serve_options: tuple[str, ...] = ()  # `manage.py serve`'s, e.g. --no-controllers
 
     def __init__(self, **extra_env: str) -> None:
@@ -68,16 +69,21 @@ class ControlPlane:
                                ).stdout.strip().splitlines()[-1]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        if root == ROOT:
+        if not self.elsewhere:
             self.process, _ = start_server(self.env, self.port, *self.serve_options)
         else:
-            self.process = start_server_in(root, self.env, self.port)
+            self.process = start_server_in(root, self.env, self.port, self.python)
+
+    @property
+    def elsewhere(self) -> bool:
+        """Another checkout's code or another interpreter than this benchmark's."""
+        return self.root != ROOT or self.python != sys.executable
 
     def manage(self, *args: str) -> subprocess.CompletedProcess[str]:
         """A manage.py command of this product's checkout."""
-        if self.root == ROOT:
+        if not self.elsewhere:
             return manage(self.env, *args)
-        return subprocess.run([sys.executable, "manage.py", *args], cwd=self.root,
+        return subprocess.run([self.python, "manage.py", *args], cwd=self.root,
                               env=self.env, capture_output=True, text=True, timeout=300,
                               check=True)
 
@@ -204,9 +210,11 @@ def wait_routed_by_every_worker(plane: ControlPlane, name: str) -> None:
     raise SystemExit(f"deployment {name} not routed by every worker")
 
 
-def start_server_in(root: Path, env: dict[str, str], port: int) -> subprocess.Popen[str]:
-    """`manage.py serve` of another checkout, once it answers /healthz."""
-    process = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port)],
+def start_server_in(root: Path, env: dict[str, str], port: int,
+                    python: str = sys.executable) -> subprocess.Popen[str]:
+    """`manage.py serve` of another checkout (or under another interpreter), once it
+    answers /healthz."""
+    process = subprocess.Popen([python, "manage.py", "serve", "--port", str(port)],
                                cwd=root, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + 60
