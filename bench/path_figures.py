@@ -1,8 +1,9 @@
 """The paths a load is sent down and their figures, for bench/gateway_overhead.py and the
 benchmarks built on it: the loads, an endpoint (a path: the engines themselves, a gateway
 or a router, and the process that relays it), each path's figures over interleaved rounds
-(TTFT, tokens/s, CPU per relayed event and per request, collections of the cycle
-collector), the rounds themselves, and the printed rows, table and targets."""
+(TTFT, tokens/s, CPU per relayed event and per request, the wait for a CPU per event,
+collections of the cycle collector), the rounds themselves, and the printed rows, table
+and targets."""
 
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ class CpuReading:
     def waited_since(self, before: CpuReading) -> float | None:
         """Seconds the threads waited for a CPU from `before` to this reading; None where
         a thread of `before` is gone or went back (the wait of a thread that ended is not
-        known) or there are no counts."""
+        known) or there are no counts. A thread that came and went between the two
+        readings is not seen: its wait is left out."""
         after = self.waits
         if not after or not before.waits.keys() <= after.keys() or any(
                 after[thread] < waited for thread, waited in before.waits.items()):
