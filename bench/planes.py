@@ -87,13 +87,6 @@ class ControlPlane:
                               env=self.env, capture_output=True, text=True, timeout=300,
                               check=True)
 
-    def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process so far."""
-        import psutil
-
-        times = psutil.Process(self.process.pid).cpu_times()
-        return float(times.user + times.system)
-
     def api(self, path: str, body: dict[str, object]) -> None:
         response = httpx.post(self.url + path, json=body, timeout=30,
                               headers={"Authorization": f"Bearer {self.admin}"})

@@ -36,11 +36,17 @@ for line in sys.stdin:
 """
 
 
-@pytest.fixture
-def spinner() -> Iterator[subprocess.Popen[str]]:
+def start_spinner() -> subprocess.Popen[str]:
+    """A SPINNER process, ready for its first line."""
     process = subprocess.Popen([sys.executable, "-c", SPINNER], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    return process
+
+
+@pytest.fixture
+def spinner() -> Iterator[subprocess.Popen[str]]:
+    process = start_spinner()
     yield process
     process.kill()
     process.wait(timeout=10)
@@ -82,11 +88,9 @@ def test_a_thread_gone_or_a_count_gone_back_falls_back_to_the_ticks() -> None:
 def test_the_wait_for_a_cpu_is_counted_while_another_process_holds_it(
         spinner: subprocess.Popen[str]) -> None:
     """Two spinners on one CPU: the measured one waits about as long as it runs."""
-    rival = subprocess.Popen([sys.executable, "-c", SPINNER], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    rival = start_spinner()
     try:
-        assert rival.stdin is not None and rival.stdout is not None
-        assert rival.stdout.readline() == "ready\n"
+        assert rival.stdin is not None
         cpu = min(os.sched_getaffinity(0))
         for process in (spinner, rival):
             os.sched_setaffinity(process.pid, {cpu})
@@ -112,3 +116,20 @@ def test_the_wait_is_unknown_when_a_thread_is_gone_or_went_back() -> None:
     assert CpuReading(1.2, {(1, 1): 9, (1, 2): 9}, 1,
                       {(1, 1): 400, (1, 2): 10}).waited_since(before) is None
     assert CpuReading(0.0, {}).waited_since(CpuReading(0.0, {})) is None
+
+
+@pytest.mark.parametrize(("arguments", "error"), [
+    (["--other-python", sys.executable], "--other-python goes with --compare-with"),
+    (["--compare-with", ".", "--other-python", "/no/such/python"],
+     "--other-python /no/such/python: not an executable file"),
+    (["--compare-with", ".", "--other-python", "/tmp"],
+     "--other-python /tmp: not an executable file"),
+])
+def test_the_benchmark_refuses_an_other_python_it_cannot_run(arguments: list[str],
+                                                               error: str) -> None:
+    from tests.processes import ROOT
+
+    done = subprocess.run([sys.executable, "bench/gateway_overhead.py", *arguments],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert error in done.stderr
