@@ -107,7 +107,12 @@ class HeadHeldTransport:
             return False
         if more_body:
             if body:
-                self.write(b"%x\r\n%b\r\n" % (len(body), body))
+                chunk = b"%x\r\n%b\r\n" % (len(body), body)
+                if self.first:  # write's work, inline: this runs for every chunk relayed
+                    self.write(chunk)
+                else:
+                    held, self.held = self.held, None
+                    self.transport.write(chunk if held is None else held + chunk)
             return True
         self.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body) if body else b"0\r\n\r\n")
         cycle.response_complete = True

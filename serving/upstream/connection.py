@@ -210,10 +210,12 @@ class Connection(asyncio.Protocol):
 
     def take_body(self) -> bytes:
         """Every body byte buffered, in one piece; reading resumes."""
-        data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        self.body.clear()
+        body = self.body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
         self.buffered = 0
-        self.resume()
+        if self.paused:  # (asked here: a call saved for every chunk relayed)
+            self.resume()
         return data
 
     def hand_over(self) -> None:
