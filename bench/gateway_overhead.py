@@ -30,7 +30,9 @@ token, with how many cores the whole machine kept busy meanwhile (whether a burs
 waits for a full machine or for one busy process);
 then one markdown table and, on the last lines, each target of the gateway against the
 router (added TTFT p50 within the router's + 2 ms, throughput ratio at least the router's,
-CPU per event at most the router's) met or missed.
+CPU per event at most the router's) met or missed. With --bare-relay, also a bare byte
+relay on uvloop before each engine (bench/bare_relay.py: no parsing, no key, no limit), the
+least a Python relay can cost per event, as a floor; no target is judged for it.
 
 With --compare-with PATH, this checkout's gateway against another checkout's instead
 (bench/gateway_compare.py); with --profile PATH, py-spy on the gateway under a load or,
@@ -39,7 +41,7 @@ figures and the printed table are in bench/path_figures.py; the engines and the 
 planes it starts in bench/planes.py.
 
     .venv/bin/python bench/gateway_overhead.py [--loads NAME,...] [--rounds N] [--quick]
-        [--no-router] [--no-gateway-only] [--workers N] [--vllm]
+        [--no-router] [--no-gateway-only] [--workers N] [--bare-relay] [--vllm]
         [--compare-with PATH [--local] [--redis] [--engine-keep-alive SECONDS]
                              [--other-python PATH]]
         [--profile PATH [--profile-native | --profile-idle]]
@@ -61,6 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.path_figures import (  # noqa: E402
+    BARE,
     LOADS,
     ROUTER,
     Endpoint,
@@ -78,6 +81,7 @@ from bench.planes import (  # noqa: E402
     ControlPlane,
     GatewayOnly,
     GatewayWorkers,
+    start_bare_relay,
     start_engine,
     start_vllm,
 )
@@ -213,6 +217,13 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
             endpoints.append(Endpoint(ROUTER, {"fake": paced_via, "fast": unpaced_via},
                                       None, {"fake": paced_router.pid,
                                              "fast": unpaced_router.pid}))
+        if options.bare_relay:
+            (paced_relay, paced_bare), (unpaced_relay, unpaced_bare) = (
+                start_bare_relay(url) for url in (paced_url, unpaced_url))
+            processes += [paced_relay, unpaced_relay]
+            endpoints.append(Endpoint(BARE, {"fake": paced_bare, "fast": unpaced_bare},
+                                      None, {"fake": paced_relay.pid,
+                                             "fast": unpaced_relay.pid}))
         settle(endpoints, [plane for plane in (product, workers) if plane is not None])
         # Background CPU (the gateway's controllers and collector, the routers' health
         # checks), measured once with no traffic, then subtracted in the "net" column.
@@ -296,6 +307,9 @@ def main() -> None:
                         "1 with --quick; 4 and 2 with --compare-with)")
     parser.add_argument("--no-router", action="store_true",
                         help="direct and the gateway only (no vllm-router)")
+    parser.add_argument("--bare-relay", action="store_true", help="also a bare byte relay "
+                        "in Python on uvloop before each engine (bench/bare_relay.py), the "
+                        "floor of a Python relay's CPU per event; no target judged for it")
     parser.add_argument("--no-gateway-only", action="store_true",
                         help="leave out the gateway alone in its process (serve "
                         "--no-controllers beside run_controllers, on a private Redis)")
@@ -344,6 +358,9 @@ def main() -> None:
         parser.error("--redis goes with --compare-with")
     if options.local and not options.compare_with:
         parser.error("--local goes with --compare-with")
+    if options.bare_relay and (options.compare_with or options.profile):
+        parser.error("--bare-relay goes with the side-by-side table (not --compare-with "
+                     "or --profile)")
     if options.other_python is not None:
         if not options.compare_with:
             parser.error("--other-python goes with --compare-with")

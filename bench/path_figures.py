@@ -272,6 +272,7 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
 
 
 ROUTER = "vllm-router"
+BARE = "bare Python relay"  # bench/bare_relay.py: a floor, judged against nothing
 
 
 def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds: int) -> None:
@@ -318,7 +319,7 @@ def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: 
             continue
         router = sides[names.index(ROUTER)]
         for endpoint, side in zip(endpoints[1:], sides[1:], strict=True):
-            if endpoint.name != ROUTER:
+            if endpoint.name not in (ROUTER, BARE):
                 check_targets(load_.name, direct, side, router, misses.setdefault(
                     endpoint.name, {"ttft": [], "ratio": [], "cpu": []}))
     print()

@@ -48,6 +48,20 @@ def start_engine(interval_ms: float, model: str, keep_alive: float = ENGINE_KEEP
     return process, url
 
 
+def start_bare_relay(engine_url: str) -> tuple[subprocess.Popen[bytes], str]:
+    """bench/bare_relay.py before one engine, once /health answers through it."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "bench.bare_relay", "--port", str(port),
+                                "--upstream", engine_url.removeprefix("http://")], cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 30, process)
+    except BaseException:
+        process.kill()
+        raise
+    return process, url
+
+
 class ControlPlane:
     """The control plane, with engines registered as external deployments."""
 
