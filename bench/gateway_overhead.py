@@ -302,7 +302,8 @@ def main() -> None:
                         "one, about 2 minutes)")
     parser.add_argument("--quick", action="store_true", help="one round per load")
     parser.add_argument("--loads", type=load_names, metavar="NAME,...",
-                        help=f"a subset of the loads ({', '.join(LOADS)}); default all")
+                        help=f"a subset of the loads ({', '.join(LOADS)}), or any "
+                        "(paced|unpaced)-STREAMS[xTOKENS], e.g. paced-128x1; default the five")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per load (default 6, "
                         "1 with --quick; 4 and 2 with --compare-with)")
     parser.add_argument("--no-router", action="store_true",

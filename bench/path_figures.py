@@ -367,13 +367,13 @@ def profile_load(text: str) -> Load:
 
 
 def load_names(text: str) -> list[str]:
-    """`--loads paced-128,unpaced-64`: names from LOADS, or (for --compare-with) any load
-    --profile-load takes, e.g. unpaced-128x1; refused otherwise."""
+    """`--loads paced-128,unpaced-64`: names from LOADS, or any load --profile-load takes,
+    e.g. unpaced-128x1 or paced-128x1 (a burst of first tokens alone); refused otherwise."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in LOADS
                and not re.fullmatch(r"(paced|unpaced)-\d+(x\d+)?", name)]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown load {', '.join(unknown) or text!r}; "
                                          f"known: {', '.join(LOADS)}, or (paced|unpaced)-"
-                                         f"STREAMS[xTOKENS] with --compare-with")
+                                         f"STREAMS[xTOKENS]")
     return names
