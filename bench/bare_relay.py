@@ -42,11 +42,12 @@ class Client(asyncio.Protocol):
         self.host, self.port = host, port
         self.transport: asyncio.Transport | None = None
         self.upstream: Upstream | None = None
-        self.early: list[bytes] = []  # what the client sent before the engine answered
+        self.early: list[bytes] = []  # what the client sent before the engine's socket opened
+        self.connecting: asyncio.Task[None] | None = None  # held: a task nobody holds may go
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        asyncio.get_running_loop().create_task(self.connect())
+        self.connecting = asyncio.get_running_loop().create_task(self.connect())
 
     async def connect(self) -> None:
         try:
