@@ -17,6 +17,13 @@ tenth of the CPU per relayed event). It returns False, writing nothing, when the
 must go the ASGI way (the client reads slower than the answer comes, it has gone, the
 answer is not chunked or not started).
 
+And `extensions["fleetplane.pipe"]`, a function `(pipe)` that gives a Pipe of the
+gateway's upstream client (serving/upstream/pipe.py) the connection's transport, and opens
+it once the answer's head is written: the replica's chunks then go to the client as they
+came, each from the upstream socket's callback (the Pipe checks, before each, that the
+transport has nothing waiting to be written and is not closing; a chunk that cannot go
+through it comes through `write_body`).
+
 It carries `extensions["fleetplane.when_lost"]` too, a function `(callback | None)` that
 has `callback()` called once, from the connection's callback, if the client goes before
 the response is complete (at once when it has gone already); None takes it back. The
@@ -36,6 +43,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 # reads them under the same names (serving/gateway/call.py), without importing the server.
 WRITE_BODY = "fleetplane.write_body"
 WHEN_LOST = "fleetplane.when_lost"
+PIPE = "fleetplane.pipe"
 
 
 class HeadHeldTransport:
@@ -49,7 +57,7 @@ class HeadHeldTransport:
     and free rather than freed when the request ends (scanned again and again by
     collections while they wait)."""
 
-    __slots__ = ("cycle", "first", "held", "loop", "on_lost", "transport")
+    __slots__ = ("cycle", "first", "held", "loop", "on_lost", "piped", "stopped", "transport")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
                  cycle: RequestResponseCycle) -> None:
@@ -58,6 +66,8 @@ class HeadHeldTransport:
         self.held: bytes | None = None
         self.first = True
         self.on_lost: Callable[[], None] | None = None
+        self.piped: Any = None  # the Pipe given to `pipe`, opened once the head is out
+        self.stopped = False  # the pipe may not be used: writing paused, client gone, ended
 
     def write(self, data: bytes) -> None:
         """Write `data`, after the held head; the first write is held."""
@@ -68,12 +78,33 @@ class HeadHeldTransport:
             return
         held, self.held = self.held, None
         self.transport.write(data if held is None else held + data)
+        if held is not None and self.piped is not None:
+            self.steer_pipe()
 
     def flush(self) -> None:
         """Write the head still held (nothing followed it in its turn)."""
         held, self.held = self.held, None
         if held is not None and not self.transport.is_closing():
             self.transport.write(held)
+            if self.piped is not None:
+                self.steer_pipe()
+
+    def pipe(self, pipe: Any) -> None:
+        """Give `pipe` the transport; it is open while the head is written, writing is
+        not paused, the client is there and the answer has not ended (see the module's
+        text)."""
+        pipe.transport = self.transport
+        self.piped = pipe
+        self.steer_pipe()
+
+    def steer_pipe(self, stop: bool = False) -> None:
+        """Open or close the pipe, if any, as things stand; `stop`: closed for good."""
+        self.stopped = self.stopped or stop
+        if self.piped is not None:
+            cycle = self.cycle()
+            self.piped.open = (not self.stopped and not self.first and self.held is None
+                               and cycle is not None and not cycle.flow.write_paused
+                               and not cycle.disconnected)
 
     def close(self) -> None:
         """Close the connection once what is held and buffered is written."""
@@ -93,7 +124,8 @@ class HeadHeldTransport:
         self.on_lost = callback
 
     def lost(self) -> None:
-        """The client went: the callback asked for, if any, once."""
+        """The client went: the pipe closes; the callback asked for, if any, once."""
+        self.steer_pipe(stop=True)
         callback, self.on_lost = self.on_lost, None
         if callback is not None:
             callback()
@@ -113,7 +145,10 @@ class HeadHeldTransport:
                 else:
                     held, self.held = self.held, None
                     self.transport.write(chunk if held is None else held + chunk)
+                    if held is not None and self.piped is not None:
+                        self.steer_pipe()
             return True
+        self.steer_pipe(stop=True)
         self.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body) if body else b"0\r\n\r\n")
         cycle.response_complete = True
         cycle.message_event.set()
@@ -137,8 +172,26 @@ class HttpProtocol(HttpToolsProtocol):
             cycle.transport = transport  # type: ignore[assignment]
             extensions: dict[str, Any] = {**cycle.scope.get("extensions", {}),
                                           WRITE_BODY: transport.write_body,
-                                          WHEN_LOST: transport.when_lost}
+                                          WHEN_LOST: transport.when_lost,
+                                          PIPE: transport.pipe}
             cycle.scope["extensions"] = extensions
+
+    def pause_writing(self) -> None:
+        """The client reads slower than the answer comes: its pipe closes until it
+        catches up (uvicorn's flow control holds the ASGI sends meanwhile)."""
+        super().pause_writing()
+        self.steer_pipe()
+
+    def resume_writing(self) -> None:
+        """The client caught up: its pipe opens again."""
+        super().resume_writing()
+        self.steer_pipe()
+
+    def steer_pipe(self) -> None:
+        """The current response's pipe, if any, opened or closed as writing now stands."""
+        transport = self.cycle.transport if self.cycle is not None else None
+        if isinstance(transport, HeadHeldTransport):
+            transport.steer_pipe()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)

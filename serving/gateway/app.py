@@ -17,6 +17,7 @@ import orjson
 
 from serving.calls import GatewayError, new_id
 from serving.gateway.call import (
+    PIPE,
     WHEN_LOST,
     WRITE_BODY,
     Call,
@@ -155,6 +156,7 @@ class Gateway:
             extensions = scope.get("extensions") or {}
             call.write_body = extensions.get(WRITE_BODY)
             call.when_lost = extensions.get(WHEN_LOST)
+            call.pipe_to = extensions.get(PIPE)
             headers = headers + await charge_rate_limits(resources, call)
             try:
                 async with Session(resources, call) as stream:

@@ -29,6 +29,7 @@ from serving.keys import KeyInfo
 from serving.priority import DEFAULT_CLASS, PriorityClass, classes
 from serving.ratelimit import Limit
 from serving.routes import DeploymentRoutes, routes
+from serving.upstream import Pipe
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -41,6 +42,9 @@ WRITE_BODY = "fleetplane.write_body"
 # Has a callback called if the client goes (None: no longer), where the server offers it.
 WhenLost = Callable[[Callable[[], None] | None], None]
 WHEN_LOST = "fleetplane.when_lost"
+# Gives a Pipe (serving/upstream/pipe.py) the client's transport, where the server offers it.
+PipeTo = Callable[[Pipe], None]
+PIPE = "fleetplane.pipe"
 
 
 @dataclass(eq=False, slots=True)
@@ -82,6 +86,7 @@ class Call:
     receive: Receive | None = None  # an HTTP client's messages: leaving the queue on going
     write_body: WriteBody | None = None  # the server's, for the chunks of a stream
     when_lost: WhenLost | None = None  # the server's, to hear of the client going at once
+    pipe_to: PipeTo | None = None  # the server's, to pipe a stream's chunks as they come
     timing: Timing = field(default_factory=Timing)
     ticket: Ticket | None = None  # the admission slot held, given back when the call ends
     answered: bool = False  # a replica answered (else admission's charge is given back)

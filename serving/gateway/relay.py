@@ -24,7 +24,7 @@ from serving.gateway.placement import first_done, wait_for_disconnect
 from serving.gateway.resources import Resources
 from serving.hot_settings import hot
 from serving.session import Stream
-from serving.upstream import Response, UpstreamError, run_eagerly, start
+from serving.upstream import Pipe, Response, UpstreamError, run_eagerly, start
 
 Headers = list[tuple[bytes, bytes]]
 UPSTREAM_MESSAGE_CHARS = 1000
@@ -180,7 +180,10 @@ async def relay_events(events: EventRelay, response: Response) -> None:
     brought, in one write, handed over from the socket's callback (no wake-up of this
     task per chunk unless the client reads slower than the replica writes); the end of
     the answer in the same write as its last bytes when they came together."""
-    await response.deliver(events.take)
+    try:
+        await response.deliver(events.take, events.pipe)
+    finally:
+        events.count_piped()
     if not events.ended:
         await events.send({"type": "http.response.body", "body": events.pending,
                            "more_body": False})
@@ -191,7 +194,7 @@ class EventRelay:
     waits for its end); the final usage event taken out unless asked for, the usage so
     far too where the replica adds it; the chunks timed and the events counted."""
 
-    __slots__ = ("call", "ended", "found", "pending", "send", "strip", "timing",
+    __slots__ = ("call", "ended", "found", "pending", "pipe", "send", "strip", "timing",
                  "write_body")
 
     def __init__(self, send: Send, call: Call, found: dict[str, Any]) -> None:
@@ -200,10 +203,33 @@ class EventRelay:
         self.pending = b""
         self.strip = call.running_usage and not call.wants_running_usage
         self.ended = False  # the client's answer was ended (with the last bytes)
+        # Chunks of complete events, but the usage event, go to the client as they came
+        # where the server offers a pipe; not where the usage so far is read from each.
+        self.pipe: Pipe | None = None
+        if call.pipe_to is not None and self.write_body is not None and not call.running_usage:
+            self.pipe = Pipe(ending=b"\n\n", refused=b'"choices":[]', counted=b"data: {")
+            call.pipe_to(self.pipe)
+
+    def count_piped(self) -> None:
+        """The chunks piped since last asked, timed and counted as `take` does."""
+        if self.pipe is None or not self.pipe.chunks:
+            return
+        chunks, events, first, last = self.pipe.take_counts()
+        timing = self.timing
+        if timing.chunks == 0:
+            timing.first_byte = first
+        else:
+            timing.gaps += first - timing.last_chunk
+        timing.gaps += last - first  # (the gaps between them, summed)
+        timing.last_chunk = last
+        timing.chunks += chunks
+        timing.events += events
 
     def take(self, chunk: bytes, last: bool) -> Awaitable[None] | None:
         """One chunk in (`last`: the answer ends with it); what the send must still wait
         on, if anything."""
+        if self.pipe is not None and self.pipe.chunks:  # chunks piped before this one
+            self.count_piped()
         timing = self.timing
         now = time.perf_counter()
         if timing.chunks == 0:
@@ -216,11 +242,15 @@ class EventRelay:
         cut = data.rfind(b"\n\n")
         if cut < 0:
             self.pending = data
+            if self.pipe is not None:
+                self.pipe.behind = True  # the next chunk must follow these bytes
             return self.end(b"") if last else None
         if cut + 2 == len(data):
             complete, self.pending = data, b""
         else:
             complete, self.pending = data[: cut + 2], data[cut + 2:]
+        if self.pipe is not None:
+            self.pipe.behind = bool(self.pending)
         timing.events += complete.count(b"data: {")
         if b'"usage"' in complete and b'"choices":[]' in complete:
             complete, self.found["usage"] = take_usage(complete, keep=self.call.wants_usage)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import httptools
 
 from serving.upstream.eager import Unfinished
+from serving.upstream.pipe import HEX_DIGITS, SIZE_LINE, Pipe, one_chunk
 
 if TYPE_CHECKING:
     from serving.upstream.pool import ConnectionPool
@@ -50,12 +52,13 @@ class Response:
         """Every body byte buffered now (waiting for some if none is); b"" at the end."""
         return await self._connection.read_some()
 
-    def deliver(self, sink: Sink) -> Awaitable[None]:
+    def deliver(self, sink: Sink, pipe: Pipe | None = None) -> Awaitable[None]:
         """Hand every body byte to `sink` as it arrives, until the end (the replica's
         error is raised): straight from the socket's callback while the caller waits, so a
         chunk costs no wake-up of the caller's task. The sink is told when the bytes it
-        gets are the last (when the end came with them)."""
-        return self._connection.deliver(sink)
+        gets are the last (when the end came with them). With `pipe`, each chunk that may
+        go through it does, as it came (see Pipe)."""
+        return self._connection.deliver(sink, pipe)
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -95,6 +98,8 @@ class Connection(asyncio.Protocol):
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.sink: Sink | None = None  # takes the body as it arrives (deliver)
+        self.pipe: Pipe | None = None  # offered each chunk first (deliver)
+        self.between_chunks = False  # the parser is between two chunks of a chunked body
         self.held: Awaitable[None] | None = None  # what the sink waits on before more
         self.length_known = False
         self.keep_alive = False
@@ -119,14 +124,44 @@ class Connection(asyncio.Protocol):
         self.opened_at = self.loop.time()
 
     def data_received(self, data: bytes) -> None:
-        """Feed the answer's bytes to the parser."""
-        self.received = True
+        """Feed the answer's bytes to the parser, or a chunk to the pipe (see Pipe)."""
+        first, self.received = not self.received, True
         self.last_heard = self.loop.time()
-        if self.parser is None:  # bytes nobody asked for: the connection cannot be trusted
+        pipe = self.pipe
+        if (pipe is not None and pipe.open and not pipe.behind and self.between_chunks
+                and self.held is None
+                and not self.body and data.endswith(pipe.ending)
+                and pipe.refused not in data):
+            # one_chunk's test, written out here: this runs for every chunk piped
+            line_end = data.find(b"\r\n", 0, SIZE_LINE)
+            size_line = data[:line_end]
+            if (line_end > 0 and not size_line.strip(HEX_DIGITS)
+                    and len(data) == line_end + 4 + int(size_line, 16) > line_end + 4):
+                pipe.transport.write(data)  # type: ignore[union-attr]
+                now = time.perf_counter()
+                if not pipe.chunks:
+                    pipe.first = now
+                pipe.last = now
+                pipe.chunks += 1
+                pipe.found += data.count(pipe.counted)
+                return
+        parser = self.parser
+        if parser is None:  # bytes nobody asked for: the connection cannot be trusted
             self.abort()
             return
+        rest, split = b"", False
+        if first:  # the head alone first: the parser is then between chunks, if chunked
+            end = data.find(b"\r\n\r\n")
+            if end >= 0 and data.count(b"\n", 0, end) == data.count(b"\r\n", 0, end):
+                data, rest, split = data[:end + 4], data[end + 4:], True
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
+            if not split and self.between_chunks:  # left between chunks by one chunk only
+                self.between_chunks = one_chunk(data)
+            if rest:
+                parser.feed_data(rest)
+                if self.between_chunks:
+                    self.between_chunks = one_chunk(rest)
         except httptools.HttpParserError as exc:
             self.fail(UpstreamError(f"malformed answer from the replica: {exc}"))
             self.abort()
@@ -171,11 +206,13 @@ class Connection(asyncio.Protocol):
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in zip(self.header_names, self.header_values, strict=True)
         }
-        self.length_known = "content-length" in headers or "chunked" in headers.get(
-            "transfer-encoding", ""
-        )
+        chunked = "chunked" in headers.get("transfer-encoding", "")
+        self.length_known = "content-length" in headers or chunked
+        status = self.parser.get_status_code()
+        # A chunked body is next (the parser between chunks, if it was fed the head alone).
+        self.between_chunks = chunked and status >= 200 and status not in (204, 304)
         if self.head is not None and not self.head.done():
-            self.head.set_result(Response(self, self.parser.get_status_code(), headers))
+            self.head.set_result(Response(self, status, headers))
         self.watch()  # from now on the idle limit applies
 
     def on_body(self, body: bytes) -> None:
@@ -300,7 +337,7 @@ class Connection(asyncio.Protocol):
         if self.closed or self.transport is None:
             raise UpstreamError("the replica closed the connection")
         self.busy, self.received, self.complete, self.error = True, False, False, None
-        self.keep_alive = False
+        self.keep_alive = self.between_chunks = False
         self.header_names, self.header_values = [], []
         self.body.clear()
         self.buffered = 0
@@ -329,9 +366,9 @@ class Connection(asyncio.Protocol):
                 self.waiter = None
         return self.take_body()
 
-    async def deliver(self, sink: Sink) -> None:
+    async def deliver(self, sink: Sink, pipe: Pipe | None = None) -> None:
         """Hand the body to `sink` as it arrives, until it ends (see Response.deliver)."""
-        self.sink = sink
+        self.sink, self.pipe = sink, pipe
         try:
             while True:
                 if self.held is not None:
@@ -352,7 +389,7 @@ class Connection(asyncio.Protocol):
                     finally:
                         self.waiter = None
         finally:
-            self.sink = None
+            self.sink = self.pipe = None
             if isinstance(self.held, Unfinished):
                 self.held.close()
             self.held = None

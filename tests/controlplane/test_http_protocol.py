@@ -17,11 +17,14 @@ from typing import Any
 
 import pytest
 
-from controlplane.http_protocol import WRITE_BODY, HttpProtocol
+from controlplane.http_protocol import PIPE, WRITE_BODY, HttpProtocol
+from serving.upstream import Pipe
 from tests.processes import ROOT, free_port, wait_healthy
 
 # The stream's body waits for a request to /go.
 release: dict[str, asyncio.Event] = {}
+# Whether /piped's pipe was open at each step (read back through /seen).
+seen: dict[str, bool] = {}
 
 
 async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -29,6 +32,29 @@ async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
     whose body waits for a request to /go; /written: a chunked one written through the
     scope's write_body; /close: a sized answer that ends the connection."""
     path = scope["path"]
+    if path == "/piped":  # a chunk written through the pipe once the server opens it
+        pipe = Pipe(ending=b"\n\n", refused=b"", counted=b"data: ")
+        scope["extensions"][PIPE](pipe)
+        seen["before the head"] = pipe.open
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        seen["head held"] = pipe.open
+        for _ in range(100):
+            if pipe.open:
+                break
+            await asyncio.sleep(0)
+        seen["head written"] = pipe.open
+        assert pipe.transport is not None
+        pipe.transport.write(b"b\r\ndata: one\n\n\r\n")
+        assert scope["extensions"][WRITE_BODY](b"data: two\n\n", False)
+        seen["ended"] = pipe.open
+        return
+    if path == "/seen":
+        body = repr(sorted(seen.items())).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+        return
     if path == "/written":  # the chunks through the scope's write_body
         write_body = scope["extensions"][WRITE_BODY]
         early = write_body(b"too early", True)  # before the head: refused, nothing written
@@ -123,11 +149,25 @@ def test_a_stream_written_through_the_scopes_write_body_is_well_formed(server_po
         assert ask(connection, "/whole").endswith(b"\r\n\r\nhello")  # still kept alive
 
 
+def test_a_pipe_opens_once_the_head_is_written_and_closes_when_the_answer_ends(
+        server_port: int) -> None:
+    with socket.create_connection(("127.0.0.1", server_port), timeout=10) as connection:
+        answer = read_until(connection, ask(connection, "/piped"), b"0\r\n\r\n")
+        # The chunk written through the pipe, then the last through write_body, in order.
+        assert answer.partition(b"\r\n\r\n")[2] == (
+            b"b\r\ndata: one\n\n\r\nb\r\ndata: two\n\n\r\n0\r\n\r\n")
+        states = ask(connection, "/seen").partition(b"\r\n\r\n")[2]
+        assert states == repr(sorted({"before the head": False, "head held": False,
+                                      "head written": True, "ended": False}.items())
+                              ).encode()
+
+
 def test_the_gateway_looks_for_write_body_under_the_name_the_server_gives_it() -> None:
     from controlplane import http_protocol
-    from serving.gateway.call import WRITE_BODY
+    from serving.gateway.call import PIPE, WRITE_BODY
 
     assert WRITE_BODY == http_protocol.WRITE_BODY
+    assert PIPE == http_protocol.PIPE
 
 
 def test_an_answer_that_closes_the_connection_is_written_whole_first(server_port: int

@@ -1,0 +1,55 @@
+"""A pipe for a streamed answer: its chunks written to the client as they came from the
+replica, in the socket's callback that read them, with no parsing, buffering or framing
+again (serving/upstream/connection.py decides, chunk by chunk, which go through it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+HEX_DIGITS = b"0123456789abcdefABCDEF"
+SIZE_LINE = 18  # bytes a chunk's size line may take to be piped: 16 hex digits and CRLF
+
+
+class Pipe:
+    """Where a chunked answer's chunks may go as they came: a client's transport, with no
+    parsing, buffering or framing again, each in the socket callback that read it. Its
+    server opens it (`open`: the client's answer is started and chunked, its writing not
+    paused, the client there); its owner says when it holds bytes back that the next
+    chunk must follow (`behind`). A read goes through when it is one whole chunk of plain
+    hex size, not the last, read while the parser is between chunks with nothing
+    buffered or held before it, its data ending with `ending` and holding no `refused`;
+    any other read reaches the Sink, parsed. Counted here, for the owner to take: the
+    chunks, the `counted` found in them, the times of the first and the last
+    (time.perf_counter)."""
+
+    __slots__ = ("behind", "chunks", "counted", "ending", "first", "found", "last", "open",
+                 "refused", "transport")
+
+    def __init__(self, ending: bytes, refused: bytes, counted: bytes) -> None:
+        self.ending = ending + b"\r\n"  # (with the chunk's own CRLF)
+        self.refused, self.counted = refused, counted
+        self.transport: asyncio.WriteTransport | None = None
+        self.open = False  # the transport may be written to (its server says)
+        self.behind = False  # its owner holds bytes back that the next chunk must follow
+        self.chunks = self.found = 0
+        self.first = self.last = 0.0
+
+    def take_counts(self) -> tuple[int, int, float, float]:
+        """The chunks piped since the last call, the `counted` in them, the first's and
+        the last's times; the counts start again."""
+        counts = self.chunks, self.found, self.first, self.last
+        self.chunks = self.found = 0
+        return counts
+
+
+def one_chunk(data: bytes) -> bool:
+    """Whether `data` is exactly one whole chunk, not the last: a size line of plain hex
+    digits (no extension), that many bytes, CRLF."""
+    line_end = data.find(b"\r\n", 0, SIZE_LINE)
+    if line_end <= 0:
+        return False
+    size_line = data[:line_end]
+    if size_line.strip(HEX_DIGITS):  # not only hex digits
+        return False
+    size = int(size_line, 16)
+    return size > 0 and len(data) == line_end + 4 + size and data.endswith(b"\r\n")

@@ -1,0 +1,138 @@
+"""A stream's chunks through a Pipe (serving/upstream/pipe.py) against real sockets: the
+raw server of test_upstream.py sends each piece as its own read, and the test sees which
+went through the pipe as they came and which reached the sink parsed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serving.upstream import ConnectionPool, Pipe, UpstreamError
+from serving.upstream.pipe import one_chunk
+from tests.serving.test_upstream import RawServer, server  # noqa: F401 (the fixture)
+
+HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+class Written:
+    """A client's transport as the pipe sees it: what was written to it (each write lets
+    the raw server send its next piece)."""
+
+    def __init__(self, step: asyncio.Queue[None]) -> None:
+        self.writes: list[bytes] = []
+        self.step = step
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+        self.step.put_nowait(None)
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+class Script:
+    """What the raw server sends for each request on a connection: the head, then each
+    piece once the one before it was taken (piped or sunk)."""
+
+    def __init__(self, raw: RawServer) -> None:
+        self.pieces: list[bytes] = []
+        self.step: asyncio.Queue[None] = asyncio.Queue()
+        raw.handler = self.handler
+        self.server = raw
+
+    async def handler(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                      ) -> None:
+        while True:
+            await self.server.read_request(reader)
+            writer.write(HEAD)
+            await writer.drain()
+            for piece in self.pieces:
+                await self.step.get()
+                writer.write(piece)
+                await writer.drain()
+
+
+async def relay(script: Script, pool: ConnectionPool, pieces: list[bytes],
+                opened: bool = True) -> tuple[Written, Pipe, list[bytes]]:
+    """One request answered with `pieces`: what the pipe wrote, the pipe, what was sunk."""
+    script.pieces = pieces
+    response = await pool.request("POST", script.server.url, "/v1/completions", b"{}")
+    pipe = Pipe(ending=b"\n\n", refused=b'"choices":[]', counted=b"data: {")
+    written = Written(script.step)
+    pipe.transport = written  # type: ignore[assignment]
+    pipe.open = opened
+    sunk: list[bytes] = []
+
+    def sink(data: bytes, last: bool) -> None:  # holds a cut event back, as the relay
+        sunk.append(data)
+        pipe.behind = not data.endswith(b"\n\n")
+        script.step.put_nowait(None)
+
+    script.step.put_nowait(None)  # the first piece
+    await asyncio.wait_for(response.deliver(sink, pipe), 5)
+    response.release()
+    return written, pipe, sunk
+
+
+async def test_whole_chunks_go_through_the_pipe_as_they_came_the_rest_parsed_to_the_sink(
+        server: RawServer) -> None:  # noqa: F811
+    event = b'data: {"choices":[{"text":"a"}]}\n\n'
+    usage = b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\n'
+    pieces = [chunk(event), chunk(event + event), chunk(usage), chunk(event),
+              chunk(b"data: {\"cut"), chunk(b'"}\n\n'), chunk(event), b"0\r\n\r\n"]
+    pool, script = ConnectionPool(), Script(server)
+    written, pipe, sunk = await relay(script, pool, pieces)
+    # Whole chunks of complete events went as they came, framing and all; the usage
+    # event and an event cut across chunks (both its parts: the sink held the first
+    # back) went to the sink, parsed; the end to the parser.
+    assert written.writes == [chunk(event), chunk(event + event), chunk(event), chunk(event)]
+    assert sunk == [usage, b"data: {\"cut", b'"}\n\n']
+    assert pipe.take_counts()[:2] == (4, 5)  # four chunks, five events
+    assert pipe.take_counts()[:2] == (0, 0)  # taken: counted again from nought
+    # The answer ended as the parser saw it: the connection is kept for the next request.
+    written, _, sunk = await relay(script, pool, [chunk(event), b"0\r\n\r\n"])
+    assert written.writes == [chunk(event)] and server.connections == 1
+    pool.close()
+
+
+async def test_a_chunk_the_pipe_may_not_take_leaves_the_rest_of_the_answer_to_the_parser(
+        server: RawServer) -> None:  # noqa: F811
+    event = b'data: {"choices":[{"text":"a"}]}\n\n'
+    pool, script = ConnectionPool(), Script(server)
+    # A chunk extension, a chunk cut across reads: the parser reads them, and what follows
+    # (it cannot tell where the parser stands) goes to the sink too.
+    for odd in ([b"%x;name=value\r\n%b\r\n" % (len(event), event)],
+                [chunk(event)[:10], chunk(event)[10:]]):
+        written, _, sunk = await relay(script, pool, [chunk(event), *odd, chunk(event),
+                                                         b"0\r\n\r\n"])
+        assert written.writes == [chunk(event)]
+        assert b"".join(sunk) == event + event
+    # A closed pipe takes nothing.
+    written, _, sunk = await relay(script, pool, [chunk(event), b"0\r\n\r\n"], opened=False)
+    assert written.writes == [] and b"".join(sunk) == event
+    pool.close()
+
+
+@pytest.mark.parametrize("size_line", [b"0x29", b"+29", b" 29", b"2_9", b"29 "])
+async def test_a_malformed_chunk_is_never_piped_and_fails_the_answer(
+        server: RawServer, size_line: bytes) -> None:  # noqa: F811
+    event = b'data: {"choices":[{"text":"abcdefgh"}]}\n\n'
+    assert len(event) == 0x29
+    assert not one_chunk(size_line + b"\r\n" + event + b"\r\n")
+    pool, script = ConnectionPool(), Script(server)
+    with pytest.raises(UpstreamError, match="malformed answer"):
+        await relay(script, pool, [size_line + b"\r\n" + event + b"\r\n", b"0\r\n\r\n"])
+    pool.close()
+
+
+def test_one_chunk_is_exactly_one_whole_chunk_that_is_not_the_last() -> None:
+    assert one_chunk(b"3\r\nabc\r\n")
+    assert one_chunk(b"A\r\n0123456789\r\n")
+    assert not one_chunk(b"0\r\n\r\n")  # the last chunk
+    assert not one_chunk(b"3\r\nabc\r\n3\r\ndef\r\n")  # two
+    assert not one_chunk(b"3\r\nab")  # cut short
+    assert not one_chunk(b"3\r\nabcd\r\n")  # longer than it says
+    assert not one_chunk(b"3;x\r\nabc\r\n")  # an extension
+    assert not one_chunk(b"1" * 17 + b"\r\nabc\r\n")  # a size past 16 hex digits
