@@ -90,9 +90,9 @@ class HeadHeldTransport:
                 self.steer_pipe()
 
     def pipe(self, pipe: Any) -> None:
-        """Give `pipe` the transport; it is open while the head is written, writing is
-        not paused, the client is there and the answer has not ended (see the module's
-        text)."""
+        """Give `pipe` the transport; it is open while the head is written, the answer
+        chunked (not to an HTTP/1.0 client), writing not paused, the client there and the
+        answer not ended (see the module's text)."""
         pipe.transport = self.transport
         self.piped = pipe
         self.steer_pipe()
@@ -103,8 +103,8 @@ class HeadHeldTransport:
         if self.piped is not None:
             cycle = self.cycle()
             self.piped.open = (not self.stopped and not self.first and self.held is None
-                               and cycle is not None and not cycle.flow.write_paused
-                               and not cycle.disconnected)
+                               and cycle is not None and cycle.chunked_encoding is True
+                               and not cycle.flow.write_paused and not cycle.disconnected)
 
     def close(self) -> None:
         """Close the connection once what is held and buffered is written."""

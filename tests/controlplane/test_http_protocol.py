@@ -36,17 +36,22 @@ async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
         pipe = Pipe(ending=b"\n\n", refused=b"", counted=b"data: ")
         scope["extensions"][PIPE](pipe)
         seen["before the head"] = pipe.open
+        sized = scope["query_string"] == b"sized"  # an answer with its length: not chunked
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+                    "headers": [(b"content-type", b"text/event-stream")]
+                    + [(b"content-length", b"11")] * sized})
         seen["head held"] = pipe.open
         for _ in range(100):
             if pipe.open:
                 break
             await asyncio.sleep(0)
         seen["head written"] = pipe.open
-        assert pipe.transport is not None
-        pipe.transport.write(b"b\r\ndata: one\n\n\r\n")
-        assert scope["extensions"][WRITE_BODY](b"data: two\n\n", False)
+        if pipe.open:
+            assert pipe.transport is not None
+            pipe.transport.write(b"b\r\ndata: one\n\n\r\n")
+            assert scope["extensions"][WRITE_BODY](b"data: two\n\n", False)
+        else:
+            await send({"type": "http.response.body", "body": b"data: one\n\n"})
         seen["ended"] = pipe.open
         return
     if path == "/seen":
@@ -160,6 +165,15 @@ def test_a_pipe_opens_once_the_head_is_written_and_closes_when_the_answer_ends(
         assert states == repr(sorted({"before the head": False, "head held": False,
                                       "head written": True, "ended": False}.items())
                               ).encode()
+
+
+def test_no_pipe_opens_onto_an_answer_that_is_not_chunked(server_port: int) -> None:
+    with socket.create_connection(("127.0.0.1", server_port), timeout=10) as connection:
+        answer = read_until(connection, ask(connection, "/piped?sized"), b"data: one\n\n")
+        assert b"content-length: 11" in answer and b"chunked" not in answer
+        states = ask(connection, "/seen").partition(b"\r\n\r\n")[2]
+    assert states == repr(sorted({"before the head": False, "head held": False,
+                                  "head written": False, "ended": False}.items())).encode()
 
 
 def test_the_gateway_looks_for_write_body_under_the_name_the_server_gives_it() -> None:
