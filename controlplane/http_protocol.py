@@ -19,10 +19,11 @@ answer is not chunked or not started).
 
 And `extensions["fleetplane.pipe"]`, a function `(pipe)` that gives a Pipe of the
 gateway's upstream client (serving/upstream/pipe.py) the connection's transport, and opens
-it once the answer's head is written: the replica's chunks then go to the client as they
-came, each from the upstream socket's callback (the Pipe checks, before each, that the
-transport has nothing waiting to be written and is not closing; a chunk that cannot go
-through it comes through `write_body`).
+it once the answer's head is written, if the answer is chunked: the replica's chunks then
+go to the client as they came, each from the upstream socket's callback. The server closes
+it while the client reads slower than the answer comes (uvicorn's flow control pauses the
+writing), when the client goes and when the answer ends; a chunk that cannot go through
+it comes through `write_body` or the ASGI send.
 
 It carries `extensions["fleetplane.when_lost"]` too, a function `(callback | None)` that
 has `callback()` called once, from the connection's callback, if the client goes before
@@ -67,7 +68,7 @@ class HeadHeldTransport:
         self.first = True
         self.on_lost: Callable[[], None] | None = None
         self.piped: Any = None  # the Pipe given to `pipe`, opened once the head is out
-        self.stopped = False  # the pipe may not be used: writing paused, client gone, ended
+        self.stopped = False  # the pipe is closed for good: the client went, or the end
 
     def write(self, data: bytes) -> None:
         """Write `data`, after the held head; the first write is held."""
@@ -91,8 +92,8 @@ class HeadHeldTransport:
 
     def pipe(self, pipe: Any) -> None:
         """Give `pipe` the transport; it is open while the head is written, the answer
-        chunked (not to an HTTP/1.0 client), writing not paused, the client there and the
-        answer not ended (see the module's text)."""
+        chunked (not one sent with its length), writing not paused, the client there and
+        the answer not ended (see the module's text)."""
         pipe.transport = self.transport
         self.piped = pipe
         self.steer_pipe()
