@@ -109,36 +109,37 @@ class Connection(asyncio.Protocol):
         self.head_timeout: float | None = None
         self.idle_timeout: float | None = None
         self.loop = asyncio.get_running_loop()
-        # Loop time of the request or of the last bytes since; kept while the connection
-        # waits in the pool (the end of its last answer: serving/upstream/pool.py).
+        # When the request was sent or bytes last came (time.perf_counter, the clock the
+        # piped chunks are timed by, read once per read); kept while the connection waits
+        # in the pool (the end of its last answer: serving/upstream/pool.py).
         self.last_heard = 0.0
         self.watchdog: asyncio.TimerHandle | None = None
         self.watchdog_due = 0.0
-        self.opened_at = 0.0  # loop time the socket opened
+        self.opened_at = 0.0  # when the socket opened (time.perf_counter)
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """The socket is open."""
         self.transport = transport  # type: ignore[assignment]
-        self.opened_at = self.loop.time()
+        self.opened_at = time.perf_counter()
 
     def data_received(self, data: bytes) -> None:
         """Feed the answer's bytes to the parser, or a chunk to the pipe (see Pipe)."""
         first, self.received = not self.received, True
-        self.last_heard = self.loop.time()
+        self.last_heard = now = time.perf_counter()
         pipe = self.pipe
+        # find, not `in`: `bytes in bytes` raises and clears a TypeError first (an int?)
         if (pipe is not None and pipe.open and not pipe.behind and self.between_chunks
                 and self.held is None
                 and not self.body and data.endswith(pipe.ending)
-                and pipe.refused not in data):
+                and data.find(pipe.refused) < 0):
             # one_chunk's test, written out here: this runs for every chunk piped
             line_end = data.find(b"\r\n", 0, SIZE_LINE)
             size_line = data[:line_end]
             if (line_end > 0 and not size_line.strip(HEX_DIGITS)
                     and len(data) == line_end + 4 + int(size_line, 16) > line_end + 4):
                 pipe.transport.write(data)  # type: ignore[union-attr]
-                now = time.perf_counter()
                 if not pipe.chunks:
                     pipe.first = now
                 pipe.last = now
@@ -308,7 +309,7 @@ class Connection(asyncio.Protocol):
                 return
             self.watchdog.cancel()
         self.watchdog_due = due
-        self.watchdog = self.loop.call_at(due, self.check_silence)
+        self.watchdog = self.loop.call_later(due - time.perf_counter(), self.check_silence)
 
     def check_silence(self) -> None:
         """The watchdog: stall the answer if the replica has been silent past the limit
@@ -319,8 +320,8 @@ class Connection(asyncio.Protocol):
         if not limit or not self.busy or self.complete or self.error is not None:
             return
         if self.paused:
-            self.last_heard = self.loop.time()
-        elif self.loop.time() - self.last_heard >= limit - 0.001:  # timers may fire early
+            self.last_heard = time.perf_counter()
+        elif time.perf_counter() - self.last_heard >= limit - 0.001:  # timers may fire early
             self.stall(limit)
             return
         self.watch()
@@ -344,7 +345,7 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.head = asyncio.get_running_loop().create_future()
         self.transport.write(request)
-        self.last_heard = self.loop.time()
+        self.last_heard = time.perf_counter()
         self.watch()
         try:
             return await self.head

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -127,7 +128,7 @@ class ConnectionPool:
         if self.shut or self.warm_seconds is None:
             return
         loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = time.perf_counter()  # the connection's clock (last_heard, opened_at)
         window = self.warm_seconds()
         used_at = connection.last_heard  # the end of its last answer
         if now - used_at >= window or now - connection.opened_at < self.replace_after:
