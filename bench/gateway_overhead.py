@@ -56,7 +56,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +68,6 @@ from bench.path_figures import (  # noqa: E402
     Endpoint,
     Load,
     Side,
-    helpers_of,
     idle_burn,
     interleave,
     load_names,
@@ -120,30 +118,12 @@ def compare(label: str, direct_url: str, gateway_url: str, model: str, streams: 
     return direct, through
 
 
-def settle(endpoints: list[Endpoint], collecting: list[ControlPlane],
-           timeout: float = 60.0) -> None:
-    """Before anything is measured: a request down every path, then until the collector
-    of each control plane that runs one (the embedded default, the workers' parent) has
-    started its parser process, which it does once, at its first parse after the
-    engines' figures move. Its start (an interpreter and its imports) is a one-time cost
-    of a new server, not part of relaying: left to chance, it could land in the first
-    load's measured rounds, where one paced stream relays only a few hundred events."""
-    import psutil
-
+def settle(endpoints: list[Endpoint]) -> None:
+    """Before anything is measured: a request down every path (each one's first
+    connections opened, its first-request work done)."""
     for endpoint in endpoints:
         for model, url in endpoint.urls.items():
             asyncio.run(load(url, model, 1, 8, endpoint.key, 1))
-    deadline = time.monotonic() + timeout
-    for plane in collecting:
-        while not any(isinstance(child, psutil.Process)
-                      and "multiprocessing.spawn" in " ".join(child.cmdline())
-                      for child in helpers_of(psutil.Process(plane.process.pid))):
-            if time.monotonic() > deadline:
-                print("note: a collector's parser process had not started after "
-                      f"{timeout:g} s; its start may fall in a measured round", flush=True)
-                return
-            time.sleep(0.5)
-    print("every collector's parser process has started (not measured)", flush=True)
 
 
 def router_executable(folder: Path) -> Path:
@@ -224,7 +204,7 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
             endpoints.append(Endpoint(BARE, {"fake": paced_bare, "fast": unpaced_bare},
                                       None, {"fake": paced_relay.pid,
                                              "fast": unpaced_relay.pid}))
-        settle(endpoints, [plane for plane in (product, workers) if plane is not None])
+        settle(endpoints)
         # Background CPU (the gateway's controllers and collector, the routers' health
         # checks), measured once with no traffic, then subtracted in the "net" column.
         idle = idle_burn(endpoints, 10.0)

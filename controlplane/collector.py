@@ -74,8 +74,10 @@ class Collector:
         """Scrape every live replica, add the samples and summaries to the store, push
         them to the dashboards; what the pass did, and how long it took."""
         started = time.perf_counter()
-        targets, deployments = await sync_to_async(self.targets.load,
-                                                   thread_sensitive=False)()
+        # Read on a thread only when the reconciler may have changed them.
+        kept = self.targets.kept()
+        targets, deployments = kept if kept is not None else await sync_to_async(
+            self.targets.load, thread_sensitive=False)()
         scrapes = await self.scraper.scrape_all(targets)
         accelerators = await self.accelerators.figures(targets, self.scraper.fetch)
         at = time.time()

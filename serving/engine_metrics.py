@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
+INFINITY = float("inf")
 LOAD_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 # vLLM's names; older names in parentheses are read when the new one is absent.
@@ -83,33 +82,51 @@ def parse_metrics(text: str) -> Scrape:
 
 
 def parse_reduced(kept: str) -> Scrape:
-    """Parse a reduced exposition with prometheus-client's parser. Samples are matched by
-    their own names, so TYPE lines written with or without `_total` read the same."""
+    """Read a reduced exposition (reduce_exposition's lines: `name value` or
+    `name{le="bound"} value`, a timestamp after the value ignored), summing repeated
+    samples. Read here line by line, not by a general exposition parser: a replica's
+    reduced text takes tens of microseconds so, where prometheus-client's parser took
+    ten times as long. A line that is not a sample raises ValueError."""
     scrape = Scrape()
     older: dict[str, float] = {}
-    for family in text_string_to_metric_families(kept):
-        for sample in family.samples:
-            name = sample.name
-            if name in GAUGES:
-                target = older if name == "vllm:gpu_cache_usage_perc" else scrape.gauges
-                key = GAUGES[name]
-                target[key] = target.get(key, 0.0) + sample.value
-            elif name.endswith("_total") and name[:-6] in COUNTERS:
-                key = COUNTERS[name[:-6]]
-                scrape.counters[key] = scrape.counters.get(key, 0.0) + sample.value
-            elif name.endswith("_bucket") and name[:-7] in HISTOGRAMS:
-                base = name[:-7]
-                key = HISTOGRAMS[base]
-                if base == "vllm:time_per_output_token_seconds":
-                    key = "_older_itl"
-                buckets = scrape.histograms.setdefault(key, {})
-                bound = float(sample.labels.get("le", "inf"))
-                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    gauges, counters, histograms = scrape.gauges, scrape.counters, scrape.histograms
+    for line in kept.splitlines():
+        if not line:
+            continue
+        brace = line.find("{")
+        if brace < 0:
+            name, _, rest = line.partition(" ")
+            bound = INFINITY
+        else:
+            close = line.find("}", brace)
+            labels = line[brace + 1:close]
+            if close < 0 or (labels and not (labels.startswith('le="')
+                                             and labels.endswith('"'))):
+                raise ValueError(f"not a reduced sample line: {line[:120]!r}")
+            name, rest = line[:brace], line[close + 1:]
+            bound = float(labels[4:-1]) if labels else INFINITY
+        fields = rest.split()
+        if not 1 <= len(fields) <= 2:
+            raise ValueError(f"not a reduced sample line: {line[:120]!r}")
+        value = float(fields[0])
+        if name in GAUGES:
+            target = older if name == "vllm:gpu_cache_usage_perc" else gauges
+            key = GAUGES[name]
+            target[key] = target.get(key, 0.0) + value
+        elif name.endswith("_total") and name[:-6] in COUNTERS:
+            key = COUNTERS[name[:-6]]
+            counters[key] = counters.get(key, 0.0) + value
+        elif name.endswith("_bucket") and name[:-7] in HISTOGRAMS:
+            base = name[:-7]
+            key = "_older_itl" if base == "vllm:time_per_output_token_seconds" else \
+                HISTOGRAMS[base]
+            buckets = histograms.setdefault(key, {})
+            buckets[bound] = buckets.get(bound, 0.0) + value
     for key, value in older.items():
-        scrape.gauges.setdefault(key, value)
-    fallback = scrape.histograms.pop("_older_itl", None)
+        gauges.setdefault(key, value)
+    fallback = histograms.pop("_older_itl", None)
     if fallback is not None:
-        scrape.histograms.setdefault("itl", fallback)
+        histograms.setdefault("itl", fallback)
     return scrape
 
 

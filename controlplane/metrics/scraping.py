@@ -1,8 +1,9 @@
 """Scraping the replicas: every live replica's /metrics at once, through the gateway's
 upstream client, with a timeout; each exposition reduced to the samples the collector
-reads, and only the ones that changed since the last pass parsed, in a worker process
-as the scrapes come in (in the embedded setup the gateway shares this interpreter:
-hundreds of parses here would hold up its relays)."""
+reads, and only the ones that changed since the last pass parsed: in batches in a worker
+process as the scrapes come in (in the embedded setup the gateway shares this interpreter:
+hundreds of parses here would hold up its relays), and the pass's last few here (a
+reduced exposition takes tens of microseconds to parse, less than handing it over)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PARSE_BATCH = 32  # expositions handed to the parser process at a time
+# A pass's changed expositions left over after the batches, up to this many, are parsed in
+# this process: a small fleet's collector never hands anything over (nor starts the worker).
+INLINE_PARSES = 8
 CONCURRENT_SCRAPES = 128
 
 
 def parse_batch(texts: list[str]) -> list[Scrape | None]:
-    """Parse reduced expositions (in the parser's worker process)."""
+    """Parse reduced expositions (in the parser's worker process, or the pass's last few
+    here); None for one that is not a reduced exposition."""
     out: list[Scrape | None] = []
     for text in texts:
         try:
@@ -109,9 +114,13 @@ class Scraper:
                         ) -> list[Scrape | None]:
         """The pass's parsed expositions: the changed ones from the parser, the rest the
         same as at the replica's last scrape."""
-        self.submit_batch()
         parsed: dict[str, Scrape | None] = {}
         changed = 0
+        if len(self.batch) <= INLINE_PARSES:
+            batch, self.batch = self.batch, []
+            self.keep_parsed(batch, parse_batch([text for _, text in batch]), parsed)
+            changed += len(batch)
+        self.submit_batch()
         for batch, future in self.parsing:
             try:
                 results = await future
@@ -119,12 +128,8 @@ class Scraper:
                 logger.warning("parsing metrics failed: %s", exc)
                 self.pool = None
                 results = [None] * len(batch)
-            for (target, reduced), scrape in zip(batch, results, strict=True):
-                parsed[target.name] = scrape
-                changed += 1
-                if scrape is not None:
-                    kept = self.store.series(target)
-                    kept.last_text, kept.last_parsed = reduced, scrape
+            self.keep_parsed(batch, results, parsed)
+            changed += len(batch)
         self.parsing = []
         self.parsed_last_pass = changed
         out: list[Scrape | None] = []
@@ -137,6 +142,15 @@ class Scraper:
                 series = self.store.replicas.get(target.name)
                 out.append(series.last_parsed if series is not None else None)
         return out
+
+    def keep_parsed(self, batch: list[tuple[Target, str]], results: list[Scrape | None],
+                    parsed: dict[str, Scrape | None]) -> None:
+        """Note each target's parse in `parsed`, and keep it with its reduced text."""
+        for (target, reduced), scrape in zip(batch, results, strict=True):
+            parsed[target.name] = scrape
+            if scrape is not None:
+                kept = self.store.series(target)
+                kept.last_text, kept.last_parsed = reduced, scrape
 
     def close(self) -> None:
         """Close the connections and stop the parser process."""

@@ -88,14 +88,26 @@ class TargetCache:
         self.read_at = 0.0
         self.targets: Targets | None = None
 
+    def kept(self) -> Targets | None:
+        """The targets read last, while they need not be read again; else None. Reads
+        nothing (the event loop calls it, and goes to a thread for `load` only on None)."""
+        from controlplane.reconciler.schedule import fleet_revision
+
+        revision = fleet_revision()
+        if (self.targets is None or not self.follows_reconciler or revision == 0
+                or revision != self.revision
+                or time.monotonic() - self.read_at >= settings.RECONCILE_RESYNC_SECONDS):
+            return None
+        return self.targets
+
     def load(self) -> Targets:
         """The current targets (a thread may call this: it reads the database)."""
         from controlplane.reconciler.schedule import fleet_revision
 
+        kept = self.kept()
+        if kept is not None:
+            return kept
         revision, now = fleet_revision(), time.monotonic()
-        if (self.targets is None or not self.follows_reconciler or revision == 0
-                or revision != self.revision
-                or now - self.read_at >= settings.RECONCILE_RESYNC_SECONDS):
-            self.targets = load_targets()
-            self.revision, self.read_at = revision, now
+        self.targets = load_targets()
+        self.revision, self.read_at = revision, now
         return self.targets
