@@ -19,6 +19,7 @@ and the keys' totals count only the rows that were inserted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -91,17 +92,22 @@ class UsageWriter:
             self.wake.set()
 
     async def run(self) -> None:
+        """Write the buffer every USAGE_FLUSH_SECONDS (at once when it holds FLUSH_AT)
+        while records come; ends when a flush leaves nothing buffered, and `add` starts
+        it again with the next record, so a gateway with no traffic has no writer waking
+        up every second."""
         while True:
             if self.unreachable:
                 # Back off while the database is away, however full the buffer is.
                 await asyncio.sleep(min(30.0, settings.USAGE_FLUSH_SECONDS
                                         * 2 ** min(self.unreachable, 6)))
-            try:
-                await asyncio.wait_for(self.wake.wait(), timeout=settings.USAGE_FLUSH_SECONDS)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(settings.USAGE_FLUSH_SECONDS):
+                    await self.wake.wait()
             self.wake.clear()
             await self.flush()
+            if not self.buffer:  # `add` sees the task done, and starts another
+                return
 
     async def flush(self) -> int:
         """Write what is buffered; returns how many records were written. Records the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -133,3 +134,30 @@ def test_a_large_batch_written_again_adds_only_its_new_records() -> None:
     assert UsageRecord.objects.count() == 1205
     key.refresh_from_db()
     assert (key.requests_total, key.prompt_tokens_total) == (1205, 1210)
+
+
+def test_the_writer_sleeps_with_nothing_buffered_and_wakes_for_the_next_record(
+        settings: Any) -> None:
+    import asyncio
+
+    from serving import usage as usage_module
+
+    settings.USAGE_FLUSH_SECONDS = 0.05
+    make_api_key(ApiKey.Scope.INFERENCE)
+    key_id = ApiKey.objects.get().pk
+
+    async def two_records_apart() -> tuple[bool, bool]:
+        writer = usage_module.UsageWriter()
+        writer.add(usage("first", key_id, 1))
+        first_task = writer.task
+        assert first_task is not None
+        await asyncio.wait_for(first_task, 10)  # written, then nothing left: it ended
+        ended = first_task.done() and not writer.buffer
+        writer.add(usage("second", key_id, 2))
+        assert writer.task is not first_task  # a new one for the new record
+        await asyncio.wait_for(writer.task, 10)  # type: ignore[arg-type]
+        return ended, not writer.buffer
+
+    assert asyncio.run(two_records_apart()) == (True, True)
+    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == [
+        "first", "second"]
