@@ -114,17 +114,19 @@ def _bump_version() -> None:
                        "learn it when Redis answers again, or within KEY_CACHE_SECONDS", exc)
 
 
-async def follow_key_changes(connection: Any) -> None:
+async def follow_key_changes(connection: Any, *also: str) -> list[Any]:
     """Clear the cache when another process changed a key (REDIS_URL set), and tell a
-    change of this process that Redis could not take when it was made."""
+    change of this process that Redis could not take when it was made. Returns the values
+    of the keys `also` names, read in the same round trip."""
     if _untold[0]:
         await connection.incr(KEYS_VERSION_KEY)
         _untold[0] = False
-    version = await connection.get(KEYS_VERSION_KEY)
+    version, *values = await connection.mget(KEYS_VERSION_KEY, *also)
     if version != _seen_version[0]:
         if _seen_version[0] is not None or version is not None:
             forget_cached_keys()
         _seen_version[0] = version
+    return values
 
 
 post_save.connect(clear_cache, sender=ApiKey, dispatch_uid="serving.keys.save")

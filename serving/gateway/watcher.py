@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from django.conf import settings
 
@@ -52,9 +51,12 @@ async def follow_redis(resources: Resources, away: bool) -> bool:
     if resources.redis is None:
         return False
     try:
-        await follow_key_changes(resources.redis)
-        if not routes.publishes_locally:
-            await load_routes_from_redis(resources.redis)
+        if routes.publishes_locally:
+            await follow_key_changes(resources.redis)
+        else:  # the key version and the route table in one round trip
+            text, = await follow_key_changes(resources.redis, REDIS_KEY)
+            if text:
+                routes.load_json(text.decode() if isinstance(text, bytes) else str(text))
     except Exception as exc:
         if not away:
             logger.warning("Redis is out of reach (%s): serving with the route table and "
@@ -107,13 +109,6 @@ def refresh_capacity(resources: Resources) -> None:
         if wait:
             estimated.add(name)
     resources.estimated = estimated
-
-
-async def load_routes_from_redis(connection: Any) -> None:
-    """Take the route table the controller published in Redis."""
-    text = await connection.get(REDIS_KEY)
-    if text:
-        routes.load_json(text.decode() if isinstance(text, bytes) else str(text))
 
 
 def replicas_to_scrape(resources: Resources) -> tuple[set[str], dict[str, RouteReplica]]:
