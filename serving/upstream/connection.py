@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from collections.abc import Awaitable, Callable
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 import httptools
@@ -122,12 +122,11 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """The socket is open."""
         self.transport = transport  # type: ignore[assignment]
-        self.opened_at = time.perf_counter()
+        self.opened_at = perf_counter()
 
     def data_received(self, data: bytes) -> None:
         """Feed the answer's bytes to the parser, or a chunk to the pipe (see Pipe)."""
-        first, self.received = not self.received, True
-        self.last_heard = now = time.perf_counter()
+        self.last_heard = now = perf_counter()
         pipe = self.pipe
         # find, not `in`: `bytes in bytes` raises and clears a TypeError first (an int?)
         if (pipe is not None and pipe.open and not pipe.behind and self.between_chunks
@@ -146,6 +145,8 @@ class Connection(asyncio.Protocol):
                 pipe.chunks += 1
                 pipe.found += data.count(pipe.counted)
                 return
+        # (A piped read is never an answer's first: the pipe waits for its head parsed.)
+        first, self.received = not self.received, True
         parser = self.parser
         if parser is None:  # bytes nobody asked for: the connection cannot be trusted
             self.abort()
@@ -309,7 +310,7 @@ class Connection(asyncio.Protocol):
                 return
             self.watchdog.cancel()
         self.watchdog_due = due
-        self.watchdog = self.loop.call_later(due - time.perf_counter(), self.check_silence)
+        self.watchdog = self.loop.call_later(due - perf_counter(), self.check_silence)
 
     def check_silence(self) -> None:
         """The watchdog: stall the answer if the replica has been silent past the limit
@@ -320,8 +321,8 @@ class Connection(asyncio.Protocol):
         if not limit or not self.busy or self.complete or self.error is not None:
             return
         if self.paused:
-            self.last_heard = time.perf_counter()
-        elif time.perf_counter() - self.last_heard >= limit - 0.001:  # timers may fire early
+            self.last_heard = perf_counter()
+        elif perf_counter() - self.last_heard >= limit - 0.001:  # timers may fire early
             self.stall(limit)
             return
         self.watch()
@@ -345,7 +346,7 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.head = asyncio.get_running_loop().create_future()
         self.transport.write(request)
-        self.last_heard = time.perf_counter()
+        self.last_heard = perf_counter()
         self.watch()
         try:
             return await self.head
