@@ -54,11 +54,11 @@ def test_a_stopped_server_writes_the_usage_it_still_held(tmp_path: Path) -> None
                             json={"model": "chat", "max_tokens": 2,
                                   "messages": [{"role": "user", "content": "Hi"}]})
         assert answer.status_code == 200, answer.text
-        # The collector parses the replica's metrics in a helper process (and Python's
-        # resource tracker comes with it).
-        helpers = api.wait_for("the collector's helper processes", lambda: [
-            child for child in psutil.Process(server.pid).children(recursive=True)
-            if "multiprocessing" in " ".join(child.cmdline())], 60, 0.2)
+        # Helper processes the server started, if any (a collector of a large fleet
+        # parses in one, and Python's resource tracker comes with it; a small fleet's
+        # parses in its pass: tests/controlplane/metrics/test_scraping.py).
+        helpers = [child for child in psutil.Process(server.pid).children(recursive=True)
+                   if "multiprocessing" in " ".join(child.cmdline())]
     finally:
         stop_server(server)
         end_replicas(env["DATA_DIR"])

@@ -38,6 +38,39 @@ sys.stdin.read()
 """
 
 
+CLOSING = """
+import sys
+from controlplane.metrics.scraping import Scraper, parse_batch
+class NoClient:
+    def close(self):
+        pass
+scraper = Scraper.__new__(Scraper)
+scraper.pool, scraper.client = None, NoClient()
+pool = scraper.parser_pool()
+pool.submit(parse_batch, []).result(timeout=60)
+print(" ".join(str(pid) for pid in pool._processes), flush=True)
+scraper.close()  # as the collector does when the server stops
+print("closed", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_parser_process_ends_when_the_collector_closes() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", CLOSING], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None
+        workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
+        assert workers
+        assert parent.stdout.readline().strip() == "closed"
+        # The parent lives on: the workers end because the scraper closed, not with it.
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert alive == [] and parent.poll() is None
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+
+
 def test_the_parser_process_ends_when_the_server_is_killed() -> None:
     parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
