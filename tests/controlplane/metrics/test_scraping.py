@@ -55,13 +55,25 @@ sys.stdin.read()
 """
 
 
-def test_the_parser_process_ends_when_the_collector_closes() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", CLOSING], cwd=ROOT, text=True,
+def parent_with_parser(script: str) -> tuple[subprocess.Popen[str], list[psutil.Process]]:
+    """`script` run in a process of its own, and the parser workers it prints."""
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert parent.stdout is not None
         workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
         assert workers
+    except BaseException:
+        parent.kill()
+        parent.wait(timeout=10)
+        raise
+    return parent, workers
+
+
+def test_the_parser_process_ends_when_the_collector_closes() -> None:
+    parent, workers = parent_with_parser(CLOSING)
+    try:
+        assert parent.stdout is not None
         assert parent.stdout.readline().strip() == "closed"
         # The parent lives on: the workers end because the scraper closed, not with it.
         _, alive = psutil.wait_procs(workers, timeout=10)
@@ -72,15 +84,9 @@ def test_the_parser_process_ends_when_the_collector_closes() -> None:
 
 
 def test_the_parser_process_ends_when_the_server_is_killed() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        assert parent.stdout is not None
-        workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
-        assert workers
-    finally:
-        parent.kill()  # as `kill -9`: nothing of the parent's own shutdown runs
-        parent.wait(timeout=10)
+    parent, workers = parent_with_parser(PARENT)
+    parent.kill()  # as `kill -9`: nothing of the parent's own shutdown runs
+    parent.wait(timeout=10)
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert alive == []
 
