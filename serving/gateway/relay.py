@@ -252,7 +252,9 @@ class EventRelay:
         if self.pipe is not None:
             self.pipe.behind = bool(self.pending)
         timing.events += complete.count(b"data: {")
-        if b'"usage"' in complete and b'"choices":[]' in complete:
+        # `find`, not `in`: bytes' `in` first tries its argument as an integer and raises
+        # (and clears) a TypeError for every bytes argument.
+        if complete.find(b'"usage"') >= 0 and complete.find(b'"choices":[]') >= 0:
             complete, self.found["usage"] = take_usage(complete, keep=self.call.wants_usage)
         if self.call.running_usage and complete:
             self.found["last"] = complete
