@@ -1,6 +1,9 @@
-"""The rate limiter's Redis client: one Lua script run over one connection per event loop,
-the calls pipelined on it (each written as it comes, the replies matched in order) and the
-replies parsed by hiredis.
+"""The event loop's light Redis clients: the rate limiter's (`ScriptClient`: one Lua script
+run over one connection per event loop, the calls pipelined on it, each written as it
+comes, the replies matched in order and parsed by hiredis) and the background work's
+(`Commands`: the load watcher's MGET and INCR, the figures publisher's SET, once a second
+each, which through redis-py's pool cost about as much as the rest of an idle gateway's
+second).
 
 The check runs before the first byte of every rate-limited request, and the tokens are
 charged after each answer. redis-py's asyncio client spent about 170 µs of CPU per call
@@ -117,31 +120,29 @@ def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
     return context
 
 
-class ScriptClient:
-    """Runs one Lua script on the Redis at `url`, for the event loop that uses it."""
+class WireClient:
+    """One pipelined connection to the Redis at `url`, for the event loop that uses it:
+    opened on first use and again after it broke (see `send`)."""
 
-    def __init__(self, url: str, script: str, *, timeout: float = TIMEOUT_SECONDS,
+    def __init__(self, url: str, *, timeout: float = TIMEOUT_SECONDS,
                  connect_timeout: float = CONNECT_TIMEOUT_SECONDS) -> None:
         self.options = parse_url(url)
-        self.script = script.encode()
-        self.sha = hashlib.sha1(self.script).hexdigest().encode()
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.wire: Wire | None = None
         self.connecting: asyncio.Task[Wire] | None = None
 
-    async def run(self, keys: list[str], args: list[str]) -> Any:
-        """The script's reply (ResponseError for an error the script raised; redis-py's
-        ConnectionError or TimeoutError when Redis cannot be reached or does not
-        answer)."""
-        numbers: list[bytes | str | int] = [len(keys), *keys, *args]
-        request = command(b"EVALSHA", self.sha, *numbers)
+    async def send(self, request: bytes, unknown_script: bytes | None = None) -> Any:
+        """The reply to `request` (ResponseError for an error reply; redis-py's
+        ConnectionError or TimeoutError when Redis cannot be reached or does not answer).
+        A request that finds its connection broken is sent once more on a new one; with
+        `unknown_script`, that is sent instead when Redis answers it lacks the script."""
         for attempt in (1, 2):
             wire = await self.connection()
             try:
                 reply = await wire.call(request)
-                if isinstance(reply, hiredis.ReplyError) and str(reply).startswith(
-                        "NOSCRIPT"):
-                    reply = await wire.call(command(b"EVAL", self.script, *numbers))
+                if (unknown_script is not None and isinstance(reply, hiredis.ReplyError)
+                        and str(reply).startswith("NOSCRIPT")):
+                    reply = await wire.call(unknown_script)
             except RedisTimeoutError:
                 raise
             except RedisConnectionError:
@@ -203,3 +204,38 @@ class ScriptClient:
         if self.wire is not None:
             self.wire.drop(RedisConnectionError("the client was closed"))
             self.wire = None
+
+
+class ScriptClient(WireClient):
+    """Runs one Lua script on the Redis at `url`, for the event loop that uses it."""
+
+    def __init__(self, url: str, script: str, *, timeout: float = TIMEOUT_SECONDS,
+                 connect_timeout: float = CONNECT_TIMEOUT_SECONDS) -> None:
+        super().__init__(url, timeout=timeout, connect_timeout=connect_timeout)
+        self.script = script.encode()
+        self.sha = hashlib.sha1(self.script).hexdigest().encode()
+
+    async def run(self, keys: list[str], args: list[str]) -> Any:
+        """The script's reply (EVALSHA; the script itself when Redis lacks it)."""
+        numbers: list[bytes | str | int] = [len(keys), *keys, *args]
+        return await self.send(command(b"EVALSHA", self.sha, *numbers),
+                               command(b"EVAL", self.script, *numbers))
+
+
+class Commands(WireClient):
+    """The few plain commands the event loop's background work sends once a second (the
+    load watcher's key version and route table, the figures publisher's snapshot) over
+    the same kind of connection, with the names and replies of redis-py's client."""
+
+    async def incr(self, key: str) -> int:
+        return int(await self.send(command(b"INCR", key)))
+
+    async def mget(self, *keys: str) -> list[bytes | None]:
+        return list(await self.send(command(b"MGET", *keys)))
+
+    async def set(self, key: str, value: str | bytes, px: int | None = None) -> bool:
+        extra: list[bytes | str | int] = [b"PX", px] if px is not None else []
+        return bool(await self.send(command(b"SET", key, value, *extra)))
+
+    async def aclose(self) -> None:
+        await self.close()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.admission import Admission
 from serving.hot_settings import hot
@@ -28,6 +28,9 @@ from serving.redis_clients import for_event_loop
 from serving.router import Router
 from serving.upstream import ConnectionPool
 from serving.usage import UsageWriter
+
+if TYPE_CHECKING:
+    from serving.redis_script import Commands
 
 logger = logging.getLogger("serving.gateway")
 # How long the tokens owed to budgets in Redis are summed before they are sent, and the
@@ -93,6 +96,8 @@ class Resources:
         self.admission = Admission()
         self.redis_url = ""
         self.redis: Any = None  # the loop's asyncio Redis client, while REDIS_URL is set
+        # The background work's own (serving/redis_script.py), while REDIS_URL is set.
+        self.commands: Commands | None = None
         self.limiter: Limiter = MemoryLimiter()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.background: dict[str, asyncio.Task[None]] = {}
@@ -113,10 +118,18 @@ class Resources:
         if url == self.redis_url:
             return
         old, old_limiter, self.redis_url = self.redis, self.limiter, url
+        old_commands = self.commands
         self.redis = for_event_loop(url) if url else None
+        self.commands = None
+        if url:
+            from serving.redis_script import Commands  # (redis and hiredis only then)
+
+            self.commands = Commands(url)
         self.limiter = RedisLimiter(url) if url else MemoryLimiter()
         if old is not None:
             self.spawn(old.aclose())
+        if old_commands is not None:
+            self.spawn(old_commands.aclose())
         if isinstance(old_limiter, RedisLimiter):
             self.spawn(old_limiter.close())
 
@@ -202,7 +215,7 @@ def background_work() -> dict[str, BackgroundWork]:
     from serving.gateway.watcher import watch_load
 
     def publish_figures(resources: Resources) -> Coroutine[Any, Any, None]:
-        return figures.publish_forever(lambda: resources.redis)
+        return figures.publish_forever(lambda: resources.commands)
 
     # The figures the controllers sum over every gateway process (serving/figures.py).
     return {"load watcher": watch_load, "figures": publish_figures}

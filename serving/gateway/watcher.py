@@ -48,13 +48,14 @@ async def follow_redis(resources: Resources, away: bool) -> bool:
     KEY_CACHE_SECONDS). When it answers again every cached key is forgotten, since a
     change told meanwhile was lost, and the route table is read: both within one
     GATEWAY_LOAD_SCRAPE_SECONDS."""
-    if resources.redis is None:
+    commands = resources.commands
+    if commands is None:
         return False
     try:
         if routes.publishes_locally:
-            await follow_key_changes(resources.redis)
+            await follow_key_changes(commands)
         else:  # the key version and the route table in one round trip
-            text, = await follow_key_changes(resources.redis, REDIS_KEY)
+            text, = await follow_key_changes(commands, REDIS_KEY)
             if text:
                 routes.load_json(text.decode() if isinstance(text, bytes) else str(text))
     except Exception as exc:

@@ -23,6 +23,7 @@ from serving.figures import (
     local_snapshot,
     publish_forever,
 )
+from serving.redis_script import Commands
 
 REDIS_URL = "redis://127.0.0.1:6379/12"  # a database of its own: others use Redis too
 
@@ -49,7 +50,7 @@ def snapshot(requests: float = 0, errors: float = 0, in_flight: float = 0,
 
 
 async def publish(process: str, figures: Snapshot, ttl: float = 3.0) -> None:
-    connection = aredis.Redis.from_url(REDIS_URL)
+    connection = Commands(REDIS_URL)  # the gateway's (serving/gateway/resources.py)
     try:
         assert await Publisher(process, ttl=ttl).publish(connection, figures, 0.0)
     finally:
@@ -62,22 +63,24 @@ async def test_a_process_publishes_its_figures_under_its_own_expiring_key() -> N
     metrics.child(metrics.REQUESTS, "fig-model", "fig-published", "200").inc(5)
     metrics.child(metrics.REQUESTS, "fig-model", "fig-published", "503").inc(1)
     connection = aredis.Redis.from_url(REDIS_URL)
+    commands = Commands(REDIS_URL)  # what the gateway publishes through
     publisher = Publisher("gateway-a", ttl=3.0)
     try:
-        assert await publisher.publish(connection, local_snapshot(), 100.0)
+        assert await publisher.publish(commands, local_snapshot(), 100.0)
         stored = Snapshot.from_json(await connection.get(REDIS_PREFIX + "gateway-a") or "")
         assert 0 < await connection.pttl(REDIS_PREFIX + "gateway-a") <= 3000
         assert stored.requests["fig-published"] == (6.0, 1.0)
         assert stored.in_flight["fig-published"] == 2 and stored.queued["fig-published"] == 3
         # Unchanged figures are not written again until the expiry needs renewing.
-        assert not await publisher.publish(connection, local_snapshot(), 101.0)
-        assert await publisher.publish(connection, local_snapshot(), 101.6)
+        assert not await publisher.publish(commands, local_snapshot(), 101.0)
+        assert await publisher.publish(commands, local_snapshot(), 101.6)
         metrics.child(metrics.IN_FLIGHT, "fig-model", "fig-published").dec()
-        assert await publisher.publish(connection, local_snapshot(), 101.7)
+        assert await publisher.publish(commands, local_snapshot(), 101.7)
     finally:
         metrics.child(metrics.IN_FLIGHT, "fig-model", "fig-published").dec()
         metrics.child(metrics.QUEUED, "fig-published", "batch").set(0)
         await connection.aclose()
+        await commands.aclose()
 
 
 def test_a_dead_process_figures_vanish_when_its_key_expires() -> None:
@@ -143,12 +146,12 @@ async def test_the_reader_never_waits_on_redis_inside_an_event_loop() -> None:
 
 async def test_publishing_goes_on_through_an_unreachable_redis(
         caplog: pytest.LogCaptureFixture) -> None:
-    import redis.asyncio as async_redis
-
     from serving.demand import PROCESS
+    from serving.redis_script import Commands
 
-    unreachable = async_redis.Redis.from_url("redis://127.0.0.1:1/0")  # nothing listens
-    reachable = async_redis.Redis.from_url(REDIS_URL)
+    # The loop's clients as the gateway makes them (serving/gateway/resources.py).
+    unreachable = Commands("redis://127.0.0.1:1/0")  # nothing listens
+    reachable = Commands(REDIS_URL)
     clients = {"now": unreachable}
     task = asyncio.get_running_loop().create_task(
         publish_forever(lambda: clients["now"], interval=0.05))

@@ -1,7 +1,8 @@
 """The rate limiter's Redis client (serving/redis_script.py), on real Redis servers: calls
 pipelined on one connection each get their own reply; a Redis that forgot the script gets
 it again; the URL's database, password and socket are the ones used; a Redis that hangs
-fails the calls within the limit and the client recovers when it answers again."""
+fails the calls within the limit and the client recovers when it answers again. The
+background work's plain commands (`Commands`) go over the same kind of connection."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from serving.redis_script import ScriptClient
+from serving.redis_script import Commands, ScriptClient, command
 from tests.services import private_redis
 
 REDIS = "redis://127.0.0.1:6379/6"
@@ -133,3 +134,30 @@ def test_a_tls_url_whose_certificate_file_is_missing_fails_as_a_connection_error
         await client.close()
 
     asyncio.run(run())
+
+
+def test_plain_commands_answer_as_redis_py_does_and_a_broken_connection_is_replaced() -> None:
+    key, missing = f"test:commands:{uuid.uuid4().hex}", f"test:commands:{uuid.uuid4().hex}"
+    blocking = redis.Redis.from_url(REDIS)
+
+    async def run() -> None:
+        client = Commands(REDIS)
+        assert await client.set(key, "one", px=5000)
+        assert 0 < blocking.pttl(key) <= 5000
+        assert await client.mget(key, missing) == [b"one", None]
+        assert await client.incr(missing) == 1
+        with pytest.raises(ResponseError):  # an error reply: INCR of a text
+            await client.incr(key)
+        # Redis closes the connection (as on a restart): the next command is sent once
+        # more on a new one, not failed.
+        blocking.execute_command("CLIENT", "KILL", "ID", await client.send(command(
+            b"CLIENT", b"ID")))
+        assert await client.mget(key) == [b"one"]
+        await client.aclose()
+        with pytest.raises(RedisConnectionError):  # nothing listens there
+            await Commands("redis://127.0.0.1:1/0").mget(key)
+
+    try:
+        asyncio.run(run())
+    finally:
+        blocking.delete(key, missing)
