@@ -1,9 +1,8 @@
 """The event loop's light Redis clients: the rate limiter's (`ScriptClient`: one Lua script
 run over one connection per event loop, the calls pipelined on it, each written as it
 comes, the replies matched in order and parsed by hiredis) and the background work's
-(`Commands`: the load watcher's MGET and INCR, the figures publisher's SET, once a second
-each, which through redis-py's pool cost about as much as the rest of an idle gateway's
-second).
+(`Commands`: the load watcher's MGET and INCR, the figures publisher's SET, each about
+once a second, on a connection of their own rather than through redis-py's pool).
 
 The check runs before the first byte of every rate-limited request, and the tokens are
 charged after each answer. redis-py's asyncio client spent about 170 µs of CPU per call
