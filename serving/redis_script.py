@@ -1,8 +1,9 @@
 """The event loop's light Redis clients: the rate limiter's (`ScriptClient`: one Lua script
 run over one connection per event loop, the calls pipelined on it, each written as it
 comes, the replies matched in order and parsed by hiredis) and the background work's
-(`Commands`: the load watcher's MGET and INCR, the figures publisher's SET, each about
-once a second, on a connection of their own rather than through redis-py's pool).
+(`Commands`: the load watcher's MGET once a second and its INCR of a key change Redis
+missed, the figures publisher's SET, on a connection of their own rather than through
+redis-py's pool).
 
 The check runs before the first byte of every rate-limited request, and the tokens are
 charged after each answer. redis-py's asyncio client spent about 170 µs of CPU per call
@@ -222,9 +223,9 @@ class ScriptClient(WireClient):
 
 
 class Commands(WireClient):
-    """The few plain commands the event loop's background work sends once a second (the
-    load watcher's key version and route table, the figures publisher's snapshot) over
-    the same kind of connection, with the names and replies of redis-py's client."""
+    """The few plain commands the event loop's background work sends (the load watcher's
+    key version and route table, the figures publisher's snapshot) over the same kind of
+    connection, with the names and replies of redis-py's client."""
 
     async def incr(self, key: str) -> int:
         return int(await self.send(command(b"INCR", key)))
@@ -235,6 +236,3 @@ class Commands(WireClient):
     async def set(self, key: str, value: str | bytes, px: int | None = None) -> bool:
         extra: list[bytes | str | int] = [b"PX", px] if px is not None else []
         return bool(await self.send(command(b"SET", key, value, *extra)))
-
-    async def aclose(self) -> None:
-        await self.close()

@@ -129,7 +129,7 @@ class Resources:
         if old is not None:
             self.spawn(old.aclose())
         if old_commands is not None:
-            self.spawn(old_commands.aclose())
+            self.spawn(old_commands.close())
         if isinstance(old_limiter, RedisLimiter):
             self.spawn(old_limiter.close())
 

@@ -54,7 +54,7 @@ async def publish(process: str, figures: Snapshot, ttl: float = 3.0) -> None:
     try:
         assert await Publisher(process, ttl=ttl).publish(connection, figures, 0.0)
     finally:
-        await connection.aclose()
+        await connection.close()
 
 
 async def test_a_process_publishes_its_figures_under_its_own_expiring_key() -> None:
@@ -80,7 +80,7 @@ async def test_a_process_publishes_its_figures_under_its_own_expiring_key() -> N
         metrics.child(metrics.IN_FLIGHT, "fig-model", "fig-published").dec()
         metrics.child(metrics.QUEUED, "fig-published", "batch").set(0)
         await connection.aclose()
-        await commands.aclose()
+        await commands.close()
 
 
 def test_a_dead_process_figures_vanish_when_its_key_expires() -> None:
@@ -147,7 +147,6 @@ async def test_the_reader_never_waits_on_redis_inside_an_event_loop() -> None:
 async def test_publishing_goes_on_through_an_unreachable_redis(
         caplog: pytest.LogCaptureFixture) -> None:
     from serving.demand import PROCESS
-    from serving.redis_script import Commands
 
     # The loop's clients as the gateway makes them (serving/gateway/resources.py).
     unreachable = Commands("redis://127.0.0.1:1/0")  # nothing listens
@@ -172,5 +171,5 @@ async def test_publishing_goes_on_through_an_unreachable_redis(
     finally:
         task.cancel()
         connection.close()
-        await unreachable.aclose()
-        await reachable.aclose()
+        await unreachable.close()
+        await reachable.close()

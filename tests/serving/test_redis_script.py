@@ -153,7 +153,7 @@ def test_plain_commands_answer_as_redis_py_does_and_a_broken_connection_is_repla
         blocking.execute_command("CLIENT", "KILL", "ID", await client.send(command(
             b"CLIENT", b"ID")))
         assert await client.mget(key) == [b"one"]
-        await client.aclose()
+        await client.close()
         with pytest.raises(RedisConnectionError):  # nothing listens there
             await Commands("redis://127.0.0.1:1/0").mget(key)
 
