@@ -41,6 +41,7 @@ from controlplane.metrics.store import (
 )
 from controlplane.metrics.targets import Target, TargetCache
 from controlplane.outages import DatabaseOutage
+from serving.wakeup import until_beat
 
 # Imported from here by the consumers, the controllers, the autoscaler and their tests.
 __all__ = ["FLEET_GROUP", "Collector", "GatewayCounters", "MetricsStore", "ReplicaSeries",
@@ -105,10 +106,10 @@ class Collector:
                 "seconds": store.last_pass_seconds}
 
     async def run(self, stop: asyncio.Event) -> None:
-        """One pass every interval until `stop` is set; a failed pass is logged."""
+        """One pass every interval, on the loop's beat (serving/wakeup.py: with the other
+        periodic work), until `stop` is set; a failed pass is logged. A pass that ran
+        past its next beat waits for the one after rather than catching up."""
         logger.info("metrics collector running (every %.1f s)", self.interval)
-        loop = asyncio.get_running_loop()
-        next_at = loop.time()
         outage = DatabaseOutage("metrics", logger)
         while not stop.is_set():
             try:
@@ -116,12 +117,8 @@ class Collector:
                 outage.succeeded()
             except Exception as error:
                 outage.failed(error)
-            next_at += self.interval
-            delay = next_at - loop.time()
-            if delay < 0:  # a slow pass: start again from now rather than catch up
-                next_at, delay = loop.time(), 0
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=delay)
+                await asyncio.wait_for(stop.wait(), timeout=until_beat(self.interval))
         self.close()
 
     def close(self) -> None:

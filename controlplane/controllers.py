@@ -28,6 +28,7 @@ from controlplane.routing import publish_routes
 from controlplane.wakeups import reconcile_requested, request_reconcile
 from serving.demand import demand
 from serving.routes import routes
+from serving.wakeup import until_beat
 
 __all__ = ["publish_decisions", "request_reconcile", "run_autoscaler", "run_controllers"]
 
@@ -127,7 +128,7 @@ async def run_autoscaler(stop: asyncio.Event) -> None:
     while not stop.is_set():
         # Every interval, or at once when a request starts waiting for a deployment at zero
         # (woken by the event, not by looking at it every few milliseconds).
-        await demand.arrived.wait_async(settings.SCRAPE_INTERVAL, stop)
+        await demand.arrived.wait_async(until_beat(settings.SCRAPE_INTERVAL), stop)
         if stop.is_set():
             break
         demand.arrived.clear()
@@ -177,4 +178,4 @@ async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval:
 async def _wait_for_next(stop: asyncio.Event, interval: float) -> None:
     """Until the interval has passed, a pass is asked for, or `stop` is set: woken by the
     events themselves, so an idle control plane sleeps between passes."""
-    await reconcile_requested.wait_async(interval, stop)
+    await reconcile_requested.wait_async(until_beat(interval), stop)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serving.demand import PROCESS
+from serving.wakeup import until_beat
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ async def publish_forever(client: Callable[[], Any],
                                "every %.1f s", interval, exc_info=True)
             failing = True
             publisher.forget()
-        await asyncio.sleep(interval)
+        await asyncio.sleep(until_beat(interval))
 
 
 # --- reading (the controllers) -------------------------------------------------------------

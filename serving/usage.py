@@ -31,6 +31,7 @@ from django.conf import settings
 
 from serving import metrics
 from serving.calls import new_id
+from serving.wakeup import until_beat
 
 logger = logging.getLogger(__name__)
 FLUSH_AT = 1000
@@ -102,7 +103,7 @@ class UsageWriter:
                 await asyncio.sleep(min(30.0, settings.USAGE_FLUSH_SECONDS
                                         * 2 ** min(self.unreachable, 6)))
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(settings.USAGE_FLUSH_SECONDS):
+                async with asyncio.timeout(until_beat(settings.USAGE_FLUSH_SECONDS)):
                     await self.wake.wait()
             self.wake.clear()
             await self.flush()

@@ -2,13 +2,31 @@
 (a request handler, a reconcile pass, a service function) sets it; a loop waiting in
 `wait_async` is woken at once through `call_soon_threadsafe`. The controllers' loops wait
 on these between passes instead of looking at the event every few milliseconds, so an idle
-control plane does not wake up for nothing (docs/benchmarks.md, idle CPU)."""
+control plane does not wake up for nothing (docs/benchmarks.md, idle CPU).
+
+`until_beat`: how long periodic work waits for its next turn, so that the loop's periodic
+jobs (the Date header, the load watcher, the figures publisher, the reconcile and
+collector passes, the usage writer) wake together, once a beat, not each on its own."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
+
+
+def until_beat(period: float) -> float:
+    """Seconds from now until the running loop's clock (`loop.time()`) next reaches a
+    whole multiple of `period`: periodic work that waits this long, rather than `period`
+    from whenever its last turn ended, runs in the same turn of the loop as the other
+    periodic work whose period divides or is divided by its own: each wake-up of the loop
+    has a cost of its own (the poll, the turn, what it touches again after a sleep), so
+    one a second for all of them, not one each at unrelated times. At least a
+    millisecond (a turn that ends on the beat waits for the next one)."""
+    if period <= 0:
+        return 0.0
+    delay = period - asyncio.get_running_loop().time() % period
+    return delay if delay >= 0.001 else delay + period
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -19,6 +19,7 @@ from serving.gateway.resources import Resources
 from serving.keys import authenticate_hash, follow_key_changes, forget_cached_keys
 from serving.routes import REDIS_KEY, RouteReplica, replica_auth, routes
 from serving.upstream import UpstreamError
+from serving.wakeup import until_beat
 
 logger = logging.getLogger("serving.gateway")
 
@@ -38,7 +39,7 @@ async def watch_load(resources: Resources) -> None:
             await end_streams_of_revoked_keys(resources)
         except Exception:
             logger.exception("could not check the keys of running streams")
-        await asyncio.sleep(settings.GATEWAY_LOAD_SCRAPE_SECONDS)
+        await asyncio.sleep(until_beat(settings.GATEWAY_LOAD_SCRAPE_SECONDS))
 
 
 async def follow_redis(resources: Resources, away: bool) -> bool:

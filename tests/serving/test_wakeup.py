@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 
-from serving.wakeup import Wakeup
+from serving.wakeup import Wakeup, until_beat
 
 
 async def test_a_set_from_another_thread_wakes_the_waiting_loop_at_once() -> None:
@@ -44,3 +44,35 @@ async def test_an_event_already_set_returns_at_once_and_stays_set() -> None:
     assert wakeup.is_set()
     wakeup.clear()
     assert not wakeup.is_set()
+
+
+async def test_periodic_work_started_apart_wakes_together_on_the_beat() -> None:
+    loop = asyncio.get_running_loop()
+    woke: dict[str, list[float]] = {"early": [], "late": []}
+
+    async def every(period: float, name: str) -> None:
+        for _ in range(3):
+            await asyncio.sleep(until_beat(period))
+            woke[name].append(loop.time())
+
+    early = loop.create_task(every(0.1, "early"))
+    await asyncio.sleep(0.037)  # started out of step with the first
+    late = loop.create_task(every(0.1, "late"))
+    await asyncio.gather(early, late)
+    # Both on the beat from the first wait on, in the same turns of the loop (a loop
+    # woken by a timer runs every timer then due), not 37 ms apart.
+    for when in woke["early"] + woke["late"]:
+        off_beat = when % 0.1
+        assert min(off_beat, 0.1 - off_beat) < 0.03, when
+    beats = [*woke["early"], woke["early"][-1] + 0.1]
+    for when in woke["late"]:
+        assert min(abs(when - beat) for beat in beats) < 0.01, (when, beats)
+
+
+async def test_the_wait_is_never_zero_nor_longer_than_the_period() -> None:
+    delays = []
+    for _ in range(50):
+        delays.append(until_beat(0.01))
+        await asyncio.sleep(0.0013)
+    assert all(0.001 <= delay <= 0.011 for delay in delays), delays
+    assert until_beat(0.0) == 0.0  # no period: no wait

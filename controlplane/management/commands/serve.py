@@ -22,6 +22,7 @@ from controlplane.envconfig import env_str
 from controlplane.services import ensure_local_admin
 from controlplane.workers import check_port, follow_supervisor, reuse_port_socket, serve_workers
 from models_registry.services import recover_interrupted_imports
+from serving.wakeup import until_beat
 
 INITIAL_PASSWORD_FILE = "initial-admin-password"
 # The first admin's password, where it is chosen by whoever installs (on Kubernetes: a key
@@ -241,7 +242,7 @@ async def quiet_main_loop(server: Any) -> None:
     should_exit = await server.on_tick(counter)
     while not should_exit:
         server.fleet_wake = wake = loop.create_future()
-        timer = loop.call_later(1.0, ring, server)
+        timer = loop.call_later(until_beat(1.0), ring, server)
         try:
             await wake
         finally:
