@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from serving.upstream import ConnectionPool, Pipe, UpstreamError
-from serving.upstream.pipe import one_chunk
+from serving.upstream.pipe import NO_SIZE_LINE, PIPED_READ_MAX, SIZE_LINES, one_chunk
 from tests.serving.test_upstream import RawServer, server  # noqa: F401 (the fixture)
 
 HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -125,6 +125,36 @@ async def test_a_malformed_chunk_is_never_piped_and_fails_the_answer(
     with pytest.raises(UpstreamError, match="malformed answer"):
         await relay(script, pool, [size_line + b"\r\n" + event + b"\r\n", b"0\r\n\r\n"])
     pool.close()
+
+
+async def test_a_size_line_written_otherwise_or_a_long_read_is_parsed_not_piped(
+        server: RawServer) -> None:  # noqa: F811
+    # The pipe knows a chunk's size line by the read's length (SIZE_LINES), as servers
+    # write it: lower-case hex, no leading zero. Any other spelling, and a read longer
+    # than PIPED_READ_MAX, is the parser's, and the event still reaches the client.
+    event = b'data: {"choices":[{"text":"abcdefghi"}]}\n\n'
+    assert len(event) == 0x2A
+    long_event = b'data: {"choices":[{"text":"' + b"x" * PIPED_READ_MAX + b'"}]}\n\n'
+    pool, script = ConnectionPool(), Script(server)
+    for odd in (b"2A\r\n" + event + b"\r\n", b"02a\r\n" + event + b"\r\n",
+                chunk(long_event)):
+        written, _, sunk = await relay(script, pool, [chunk(event), odd, chunk(event),
+                                                         b"0\r\n\r\n"])
+        assert written.writes == [chunk(event), chunk(event)]
+        assert b"".join(sunk) == (long_event if odd == chunk(long_event) else event)
+    pool.close()
+
+
+def test_the_size_lines_are_each_lengths_only_whole_chunk() -> None:
+    for length, line in enumerate(SIZE_LINES):
+        if line == NO_SIZE_LINE:
+            continue
+        size = int(line, 16)
+        whole = line + b"x" * size + b"\r\n"
+        assert len(whole) == length and one_chunk(whole) and line == b"%x\r\n" % size
+    # Lengths no chunk has: between one hex digit's and two's, two's and three's.
+    assert SIZE_LINES[21] == SIZE_LINES[262] == NO_SIZE_LINE
+    assert SIZE_LINES[6] == b"1\r\n" and SIZE_LINES[22] == b"10\r\n"
 
 
 def test_one_chunk_is_exactly_one_whole_chunk_that_is_not_the_last() -> None:
