@@ -17,16 +17,18 @@ import threading
 
 def until_beat(period: float) -> float:
     """Seconds from now until the running loop's clock (`loop.time()`) next reaches a
-    whole multiple of `period`: periodic work that waits this long, rather than `period`
-    from whenever its last turn ended, runs in the same turn of the loop as the other
-    periodic work whose period divides or is divided by its own: each wake-up of the loop
-    has a cost of its own (the poll, the turn, what it touches again after a sleep), so
-    one a second for all of them, not one each at unrelated times. At least a
-    millisecond (a turn that ends on the beat waits for the next one)."""
+    whole multiple of `period`, at least half a period away: periodic work that waits
+    this long, rather than `period` from whenever its last turn ended, runs in the same
+    turn of the loop as the other periodic work whose period divides or is divided by its
+    own: each wake-up of the loop has a cost of its own (the poll, the turn, what it
+    touches again after a sleep), so one a second for all of them, not one each at
+    unrelated times. A turn that ended less than half a period before the beat waits for
+    the one after, so work that takes most of its period (a reconcile pass over a large
+    fleet) still rests about a period between turns, not a moment."""
     if period <= 0:
         return 0.0
     delay = period - asyncio.get_running_loop().time() % period
-    return delay if delay >= 0.001 else delay + period
+    return delay if delay >= period / 2 else delay + period
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -47,7 +47,7 @@ async def test_a_signal_ends_the_main_loop_at_once_and_the_header_ticks_each_sec
         await asyncio.sleep(0.05)
     first, second, third = server.ticks[:3]
     assert all(tick[0] % 10 == 0 for tick in server.ticks)  # each renews the Date header
-    assert second[1] - first[1] <= 1.5
+    assert 0.45 <= second[1] - first[1] <= 1.6
     assert 0.9 <= third[1] - second[1] <= 1.5
     # On the whole seconds of the loop's clock (time.monotonic here), where the load
     # watcher and the other periodic work wake too: one wake-up a second for all.

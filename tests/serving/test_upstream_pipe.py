@@ -145,7 +145,7 @@ async def test_a_size_line_written_otherwise_or_a_long_read_is_parsed_not_piped(
     pool.close()
 
 
-def test_the_size_lines_are_each_lengths_only_whole_chunk() -> None:
+def test_each_size_line_is_the_only_one_a_whole_chunk_of_that_length_has() -> None:
     for length, line in enumerate(SIZE_LINES):
         if line == NO_SIZE_LINE:
             continue

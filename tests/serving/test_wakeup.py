@@ -69,10 +69,13 @@ async def test_periodic_work_started_apart_wakes_together_on_the_beat() -> None:
         assert min(abs(when - beat) for beat in beats) < 0.01, (when, beats)
 
 
-async def test_the_wait_is_never_zero_nor_longer_than_the_period() -> None:
+async def test_the_wait_is_between_half_a_period_and_one_and_a_half() -> None:
+    # Work that ended just before a beat rests until the next (a pass that took most of
+    # its period is not started again at once).
     delays = []
     for _ in range(50):
         delays.append(until_beat(0.01))
         await asyncio.sleep(0.0013)
-    assert all(0.001 <= delay <= 0.011 for delay in delays), delays
+    assert all(0.005 <= delay <= 0.015 for delay in delays), delays
+    assert any(delay > 0.0101 for delay in delays)  # some ended within half a period
     assert until_beat(0.0) == 0.0  # no period: no wait
