@@ -41,6 +41,7 @@ from controlplane.metrics.store import (
 )
 from controlplane.metrics.targets import Target, TargetCache
 from controlplane.outages import DatabaseOutage
+from controlplane.wakeups import figures_collected
 from serving.wakeup import until_beat
 
 # Imported from here by the consumers, the controllers, the autoscaler and their tests.
@@ -117,6 +118,7 @@ class Collector:
                 outage.succeeded()
             except Exception as error:
                 outage.failed(error)
+            figures_collected.set()  # the autoscaler decides on this pass's figures
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=until_beat(self.interval))
         self.close()

@@ -25,10 +25,10 @@ from controlplane.leader import LeaseElection
 from controlplane.outages import DatabaseOutage
 from controlplane.reconciler import Reconciler
 from controlplane.routing import publish_routes
-from controlplane.wakeups import reconcile_requested, request_reconcile
+from controlplane.wakeups import figures_collected, reconcile_requested, request_reconcile
 from serving.demand import demand
 from serving.routes import routes
-from serving.wakeup import until_beat
+from serving.wakeup import until_beat, wait_any
 
 __all__ = ["publish_decisions", "request_reconcile", "run_autoscaler", "run_controllers"]
 
@@ -114,7 +114,8 @@ async def _run(stop: asyncio.Event) -> None:
 
 
 async def run_autoscaler(stop: asyncio.Event) -> None:
-    """A decision every SCRAPE_INTERVAL, after the collector's pass has new figures."""
+    """A decision after each of the collector's passes (on the figures it just stored),
+    or at once when a request starts waiting for a deployment at zero."""
     autoscaler = Autoscaler()
     outage = DatabaseOutage("autoscaler", logger)
 
@@ -126,11 +127,13 @@ async def run_autoscaler(stop: asyncio.Event) -> None:
             _end_of_work()
 
     while not stop.is_set():
-        # Every interval, or at once when a request starts waiting for a deployment at zero
-        # (woken by the event, not by looking at it every few milliseconds).
-        await demand.arrived.wait_async(until_beat(settings.SCRAPE_INTERVAL), stop)
+        # Woken by the events themselves, not by looking at them every few milliseconds;
+        # should the collector's passes stall, every other interval all the same.
+        await wait_any((figures_collected, demand.arrived),
+                       2 * settings.SCRAPE_INTERVAL, stop)
         if stop.is_set():
             break
+        figures_collected.clear()
         demand.arrived.clear()
         if autoscaler.nothing_to_decide():  # no policy anywhere, nothing changed since
             continue

@@ -1,6 +1,7 @@
 """`Wakeup`: a `threading.Event` that an event loop can wait on without polling. A thread
 (a request handler, a reconcile pass, a service function) sets it; a loop waiting in
-`wait_async` is woken at once through `call_soon_threadsafe`. The controllers' loops wait
+`wait_async` is woken at once through `call_soon_threadsafe` (`call_soon` when set on that
+loop's own thread). The controllers' loops wait
 on these between passes instead of looking at the event every few milliseconds, so an idle
 control plane does not wake up for nothing (docs/benchmarks.md, idle CPU).
 
@@ -38,7 +39,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 class Wakeup(threading.Event):
     """A threading.Event whose `set()` also wakes the event loops waiting in
-    `wait_async`."""
+    `wait_async` (or in `wait_any` on it and others)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,32 +50,49 @@ class Wakeup(threading.Event):
         super().set()
         with self._lock:
             waiters = list(self._waiters)
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         for loop, future in waiters:
             with contextlib.suppress(RuntimeError):  # that loop has closed meanwhile
-                loop.call_soon_threadsafe(_resolve, future)
+                if loop is here:  # set on the loop's own thread: no need to wake it
+                    loop.call_soon(_resolve, future)
+                else:
+                    loop.call_soon_threadsafe(_resolve, future)
 
     async def wait_async(self, timeout: float, stop: asyncio.Event | None = None) -> bool:
         """Wait until the event is set, `stop` is set, or `timeout` seconds have passed;
         returns whether the event is set."""
-        if self.is_set():
-            return True
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        entry = (loop, future)
-        with self._lock:
-            self._waiters.add(entry)
-        stopping = None
-        if stop is not None:
-            stopping = loop.create_task(stop.wait())
-            stopping.add_done_callback(lambda _: _resolve(future))
-        try:
-            if not self.is_set():  # not set between the first look and the registration
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(max(0.0, timeout)):
-                        await future
-        finally:
-            with self._lock:
-                self._waiters.discard(entry)
-            if stopping is not None:
-                stopping.cancel()
-        return self.is_set()
+        return await wait_any((self,), timeout, stop)
+
+
+async def wait_any(wakeups: tuple[Wakeup, ...], timeout: float,
+                   stop: asyncio.Event | None = None) -> bool:
+    """Wait until one of `wakeups` is set, `stop` is set, or `timeout` seconds have
+    passed; returns whether one of them is set."""
+    if any(w.is_set() for w in wakeups):
+        return True
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+    entry = (loop, future)
+    for wakeup in wakeups:
+        with wakeup._lock:
+            wakeup._waiters.add(entry)
+    stopping = None
+    if stop is not None:
+        stopping = loop.create_task(stop.wait())
+        stopping.add_done_callback(lambda _: _resolve(future))
+    try:
+        # Not set between the first look and the registration.
+        if not any(w.is_set() for w in wakeups):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, timeout)):
+                    await future
+    finally:
+        for wakeup in wakeups:
+            with wakeup._lock:
+                wakeup._waiters.discard(entry)
+        if stopping is not None:
+            stopping.cancel()
+    return any(w.is_set() for w in wakeups)

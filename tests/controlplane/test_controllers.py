@@ -15,7 +15,7 @@ from django.db import connection
 from controlplane import controllers
 from controlplane.controllers import _wait_for_next
 from controlplane.reconciler import Reconciler
-from controlplane.wakeups import reconcile_requested, request_reconcile
+from controlplane.wakeups import figures_collected, reconcile_requested, request_reconcile
 from tests.factories import make_deployment
 
 
@@ -78,6 +78,42 @@ async def test_stopping_ends_the_wait() -> None:
     started = time.monotonic()
     await _wait_for_next(stop, 60.0)
     assert time.monotonic() - started < 10.0
+
+
+async def test_the_autoscaler_decides_after_each_collector_pass(
+        monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
+    """A decision reads the figures of the pass just stored: the dashboard's newest
+    sample is the one it annotates (not one the collector adds a moment later)."""
+    settings.SCRAPE_INTERVAL = 30.0  # no decision on the interval within the test
+    decided: list[float] = []
+
+    class Recording:
+        charted: list[Any] = []
+
+        def nothing_to_decide(self) -> bool:
+            return False
+
+        def run_once(self) -> list[Any]:
+            decided.append(time.monotonic())
+            return []
+
+    monkeypatch.setattr(controllers, "Autoscaler", Recording)
+    figures_collected.clear()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    running = loop.create_task(controllers.run_autoscaler(stop))
+    await asyncio.sleep(0.2)
+    assert decided == []  # no pass, no decision
+    for expected in (1, 2):
+        passed = time.monotonic()
+        figures_collected.set()  # as the collector does on the loop's thread
+        while len(decided) < expected:
+            assert time.monotonic() - passed < 10.0
+            await asyncio.sleep(0.01)
+        assert decided[-1] >= passed
+    stop.set()
+    await running
+    assert not figures_collected.is_set()
 
 
 @pytest.mark.django_db(transaction=True)  # the runner closes the thread's connection

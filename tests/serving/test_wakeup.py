@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 
-from serving.wakeup import Wakeup, until_beat
+from serving.wakeup import Wakeup, until_beat, wait_any
 
 
 async def test_a_set_from_another_thread_wakes_the_waiting_loop_at_once() -> None:
@@ -44,6 +44,24 @@ async def test_an_event_already_set_returns_at_once_and_stays_set() -> None:
     assert wakeup.is_set()
     wakeup.clear()
     assert not wakeup.is_set()
+
+
+async def test_a_wait_on_several_ends_with_whichever_is_set_first() -> None:
+    figures, demand = Wakeup(), Wakeup()
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, lambda: threading.Thread(target=demand.set).start())
+    started = time.monotonic()
+    assert await wait_any((figures, demand), 30.0) is True
+    assert time.monotonic() - started < 10.0
+    assert demand.is_set() and not figures.is_set()
+    demand.clear()
+    # Set on the loop's own thread (the collector's pass ending): woken too.
+    loop.call_later(0.05, figures.set)
+    assert await wait_any((figures, demand), 30.0) is True
+    assert figures.is_set()
+    figures.clear()
+    assert await wait_any((figures, demand), 0.05) is False  # neither: the timeout
+    assert not figures._waiters and not demand._waiters  # nothing left registered
 
 
 async def test_periodic_work_started_apart_wakes_together_on_the_beat() -> None:
