@@ -15,7 +15,8 @@ from django.db import connection
 from controlplane import controllers
 from controlplane.controllers import _wait_for_next
 from controlplane.reconciler import Reconciler
-from controlplane.wakeups import figures_collected, reconcile_requested, request_reconcile
+from controlplane.wakeups import reconcile_requested, request_reconcile
+from serving.wakeup import Wakeup
 from tests.factories import make_deployment
 
 
@@ -98,7 +99,10 @@ async def test_the_autoscaler_decides_after_each_collector_pass(
             return []
 
     monkeypatch.setattr(controllers, "Autoscaler", Recording)
-    figures_collected.clear()
+    # Its own (collectors other tests left running in this process set the shared one).
+    figures_collected = Wakeup()
+    monkeypatch.setattr(controllers, "figures_collected", figures_collected)
+    monkeypatch.setattr(controllers.demand, "arrived", Wakeup())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     running = loop.create_task(controllers.run_autoscaler(stop))
