@@ -10,9 +10,9 @@ is what a burst of new streams queues behind.
 
 The package: `connection.py` (one keep-alive connection as an asyncio protocol, and the
 Response it hands the caller), `pipe.py` (a stream's chunks to its client as they came),
-`pool.py` (the pools, and the parsed replica URLs) and `eager.py` (a coroutine run at
-once, as far as it goes without waiting: from a socket's callback, as the relay sends, or
-before a task is made for the rest of it).
+`pool.py` (the pools, the parsed replica URLs and a request's bytes) and `eager.py` (a
+coroutine run at once, as far as it goes without waiting: from a socket's callback, as the
+relay sends, or before a task is made for the rest of it).
 """
 
 from __future__ import annotations
@@ -27,8 +27,15 @@ from serving.upstream.connection import (
 )
 from serving.upstream.eager import Unfinished, run_eagerly, start
 from serving.upstream.pipe import Pipe
-from serving.upstream.pool import CONNECT_TIMEOUT, IDLE_PER_HOST, ConnectionPool, Target, target
+from serving.upstream.pool import (
+    CONNECT_TIMEOUT,
+    IDLE_PER_HOST,
+    ConnectionPool,
+    Target,
+    request_bytes,
+    target,
+)
 
 __all__ = ["CONNECT_TIMEOUT", "HIGH_WATER", "IDLE_PER_HOST", "Connection", "ConnectionPool", "Pipe",
            "Response", "Sink", "Target", "Unfinished", "UpstreamError", "UpstreamStalled",
-           "run_eagerly", "start", "target"]
+           "request_bytes", "run_eagerly", "start", "target"]

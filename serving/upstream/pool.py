@@ -44,6 +44,27 @@ def target(base_url: str) -> Target:
     )
 
 
+def request_bytes(method: str, where: Target, path: str, body: bytes = b"",
+                  headers: tuple[tuple[str, str], ...] = ()) -> bytes:
+    """One HTTP/1.1 request to `where`, head and body; UpstreamError for a header value
+    holding a line break."""
+    lines = [
+        f"{method} {where.prefix}{path} HTTP/1.1\r\n".encode("latin-1"),
+        b"Host: ",
+        where.host_header,
+        b"\r\n",
+    ]
+    if body or method in ("POST", "PUT", "PATCH"):
+        lines.append(b"Content-Length: %d\r\n" % len(body))
+    for name, value in headers:
+        if "\r" in value or "\n" in value:  # never let a value start a header of its own
+            raise UpstreamError(f"the {name} header holds a line break")
+        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    lines.append(b"\r\n")
+    lines.append(body)
+    return b"".join(lines)
+
+
 class ConnectionPool:
     """Keep-alive connections per replica (host, port, TLS), reused most recent first.
 
@@ -173,21 +194,7 @@ class ConnectionPool:
         `head_timeout` bounds the wait for them, `idle_timeout` each wait for body bytes
         after them (None: no bound); either one run out is UpstreamStalled."""
         where = target(base_url)
-        lines = [
-            f"{method} {where.prefix}{path} HTTP/1.1\r\n".encode("latin-1"),
-            b"Host: ",
-            where.host_header,
-            b"\r\n",
-        ]
-        if body or method in ("POST", "PUT", "PATCH"):
-            lines.append(b"Content-Length: %d\r\n" % len(body))
-        for name, value in headers:
-            if "\r" in value or "\n" in value:  # never let a value start a header of its own
-                raise UpstreamError(f"the {name} header holds a line break")
-            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        lines.append(b"\r\n")
-        lines.append(body)
-        request = b"".join(lines)
+        request = request_bytes(method, where, path, body, headers)
         connection = self.take_idle(where)
         if connection is not None:
             connection.head_timeout, connection.idle_timeout = head_timeout, idle_timeout

@@ -1,0 +1,213 @@
+"""The probe client (controlplane/backends/probe_client.py) against endpoints that
+misbehave on purpose, each a raw socket server here: connections kept and closed between
+probes, answers that drip, run long, are chunked or malformed."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from controlplane.backends.probe_client import MAX_BODY_BYTES, ProbeClient, ProbeFailed
+from tests.processes import wait_until
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+
+
+class RawEndpoint:
+    """Accepts connections and hands each to `serve` on a thread of its own."""
+
+    def __init__(self, serve: Callable[[socket.socket], None]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.serve = serve
+        self.accepted = 0
+        self.requests = 0
+        self.open: list[socket.socket] = []
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self.open.append(connection)
+            threading.Thread(target=self.serve, args=(connection,), daemon=True).start()
+
+    def read_request(self, connection: socket.socket) -> bool:
+        """One request's head read; False when the client closed the connection."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            try:
+                chunk = connection.recv(4096)
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            data += chunk
+        self.requests += 1
+        return True
+
+    def close(self) -> None:
+        self.listener.close()
+        for connection in self.open:
+            connection.close()
+
+
+@contextmanager
+def raw_endpoint(serve: Callable[[RawEndpoint, socket.socket], None]) -> Iterator[RawEndpoint]:
+    holder: list[RawEndpoint] = []
+    endpoint = RawEndpoint(lambda connection: serve(holder[0], connection))
+    holder.append(endpoint)
+    try:
+        yield endpoint
+    finally:
+        endpoint.close()
+
+
+def keep_alive(endpoint: RawEndpoint, connection: socket.socket) -> None:
+    """Answers every request on the connection, as long as the client keeps it."""
+    while endpoint.read_request(connection):
+        connection.sendall(OK)
+
+
+def test_a_kept_connection_serves_the_next_probes_and_one_closed_meanwhile_is_replaced(
+        ) -> None:
+    closing = threading.Event()
+
+    def serve(endpoint: RawEndpoint, connection: socket.socket) -> None:
+        while endpoint.read_request(connection):
+            connection.sendall(OK)
+            if closing.is_set():  # as a server whose keep-alive ran out between probes
+                connection.close()
+                return
+
+    client = ProbeClient()
+    with raw_endpoint(serve) as endpoint:
+        assert [client.status(endpoint.url, "/v1/models") for _ in range(3)] == [200] * 3
+        assert endpoint.accepted == 1  # one connection for the three probes
+        closing.set()
+        assert client.status(endpoint.url, "/v1/models") == 200
+        wait_until("the endpoint closed the kept connection",
+                   lambda: endpoint.open[0].fileno() == -1, 5, 0.02)
+        # The next probe finds it closed, opens another and is answered: no failed probe.
+        assert client.status(endpoint.url, "/v1/models") == 200
+        assert endpoint.accepted == 2 and endpoint.requests == 5
+    client.close()
+
+
+def test_an_endpoint_that_closes_a_kept_connection_as_the_probe_is_sent_is_asked_again(
+        ) -> None:
+    """The race a readability check cannot see: the request reaches a connection the
+    endpoint is closing. Nothing of an answer came, so a new connection asks again."""
+
+    def serve(endpoint: RawEndpoint, connection: socket.socket) -> None:
+        """Each connection answers its first request and closes at its second."""
+        if endpoint.read_request(connection):
+            connection.sendall(OK)
+        if endpoint.read_request(connection):
+            connection.close()
+
+    client = ProbeClient()
+    with raw_endpoint(serve) as endpoint:
+        assert client.status(endpoint.url, "/v1/models") == 200
+        assert client.status(endpoint.url, "/v1/models") == 200
+        assert endpoint.accepted == 2 and endpoint.requests == 3
+    client.close()
+
+
+def test_an_answer_that_drips_fails_as_timed_out_within_the_probes_own_timeout() -> None:
+    """A byte of the head every 50 ms, for ever: each read is answered well within the
+    timeout, the probe as a whole is not."""
+
+    def serve(endpoint: RawEndpoint, connection: socket.socket) -> None:
+        endpoint.read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\n")
+        try:
+            while True:
+                connection.sendall(b"x")
+                time.sleep(0.05)
+        except OSError:
+            return
+
+    client = ProbeClient()
+    with raw_endpoint(serve) as endpoint:
+        started = time.monotonic()
+        with pytest.raises(ProbeFailed) as failed:
+            client.status(endpoint.url, "/v1/models", timeout=0.5)
+        assert failed.value.kind == "Timeout"
+        assert 0.45 < time.monotonic() - started < 1.5
+
+
+def test_chunked_and_oversized_answers_give_their_status_and_only_a_whole_one_is_kept(
+        ) -> None:
+    bodies = [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: %d\r\n\r\n" % (
+            MAX_BODY_BYTES * 2) + b"x" * (MAX_BODY_BYTES * 2),
+        OK,
+    ]
+
+    def serve(endpoint: RawEndpoint, connection: socket.socket) -> None:
+        try:
+            while endpoint.read_request(connection):
+                connection.sendall(bodies.pop(0))
+        except OSError:
+            return  # the client closed the connection mid-body
+
+    client = ProbeClient()
+    with raw_endpoint(serve) as endpoint:
+        assert client.status(endpoint.url, "/v1/models") == 200  # chunked, kept
+        assert client.status(endpoint.url, "/v1/models") == 503  # too long to read: closed
+        assert client.status(endpoint.url, "/v1/models") == 200
+        assert endpoint.accepted == 2
+    client.close()
+
+
+def test_a_malformed_answer_or_a_header_with_a_line_break_is_a_protocol_error() -> None:
+    def serve(endpoint: RawEndpoint, connection: socket.socket) -> None:
+        if endpoint.read_request(connection):
+            connection.sendall(b"this is not HTTP\r\n\r\n")
+
+    client = ProbeClient()
+    with raw_endpoint(serve) as endpoint:
+        with pytest.raises(ProbeFailed) as malformed:
+            client.status(endpoint.url, "/v1/models")
+        assert malformed.value.kind == "ProtocolError"
+        with pytest.raises(ProbeFailed) as injected:
+            client.status(endpoint.url, "/v1/models",
+                          (("Authorization", "Bearer k\r\nX-Other: 1"),))
+        assert injected.value.kind == "ProtocolError"
+        assert endpoint.requests == 1  # the second was never sent
+    with pytest.raises(ProbeFailed) as not_http:
+        client.status("ftp://127.0.0.1:1", "/v1/models")
+    assert not_http.value.kind == "ProtocolError"
+
+
+def test_probes_run_on_the_calling_thread_and_start_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    caller = threading.current_thread()
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def recorded(thread: threading.Thread) -> None:
+        if threading.current_thread() is caller:
+            started.append(thread.name)
+        start(thread)
+
+    with raw_endpoint(keep_alive) as endpoint:
+        monkeypatch.setattr(threading.Thread, "start", recorded)
+        client = ProbeClient()
+        assert [client.status(endpoint.url, "/v1/models") for _ in range(2)] == [200, 200]
+        monkeypatch.undo()
+        assert started == []
+    client.close()
