@@ -13,8 +13,9 @@ Each probe is bounded by its timeout from its start to its end: connecting, the 
 handshake, sending, and every read wait for what is left of it (a name the resolver takes
 longer to answer than that holds the thread until the resolver gives up; the probe then
 fails as timed out). The answer is parsed by the C parser the gateway uses (httptools);
-its body is read so the connection can serve the next probe, up to MAX_BODY_BYTES (a
-larger one is not read: the status is known, the connection is closed)."""
+its body is read so the connection can serve the next probe, up to MAX_ANSWER_BYTES in
+all (the rest of a longer one is not read: the status is known, the connection is closed;
+a head not ended by then fails the probe)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ import httptools
 
 from serving.upstream import Target, UpstreamError, request_bytes, target
 
-# The body read to keep the connection for the next probe; past it the connection closes.
-MAX_BODY_BYTES = 1 << 20
+# The most of an answer read (to keep the connection for the next probe); past it the
+# connection closes, and an answer whose head has not ended by then fails.
+MAX_ANSWER_BYTES = 1 << 20
 # Connections kept per endpoint (probes of one endpoint are one at a time: `probe_key`).
 IDLE_PER_ENDPOINT = 2
 # A connection kept this long without a probe is closed (by the next probe of any
@@ -60,14 +62,10 @@ class _Answer:
         self.head = False
         self.complete = False
         self.keep_alive = False
-        self.body = 0
         self.parser = httptools.HttpResponseParser(self)
 
     def on_headers_complete(self) -> None:
         self.head = True
-
-    def on_body(self, body: bytes) -> None:
-        self.body += len(body)
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -147,9 +145,9 @@ class ProbeClient:
                     secure.do_handshake()
                     break
                 except ssl.SSLWantReadError:
-                    ready = select.select([secure], [], [], _left(deadline, timeout))[0]
+                    ready = _ready(secure, select.POLLIN, _left(deadline, timeout))
                 except ssl.SSLWantWriteError:
-                    ready = select.select([], [secure], [], _left(deadline, timeout))[1]
+                    ready = _ready(secure, select.POLLOUT, _left(deadline, timeout))
                 if not ready:
                     raise TimeoutError
         except TimeoutError:
@@ -171,9 +169,11 @@ class ProbeClient:
         try:
             sock.settimeout(_left(deadline, timeout))
             sock.sendall(request)
-            while not answer.complete and answer.body <= MAX_BODY_BYTES:
+            read = 0
+            while not answer.complete and read <= MAX_ANSWER_BYTES:
                 sock.settimeout(_left(deadline, timeout))
                 data = sock.recv(READ_SIZE)
+                read += len(data)
                 if not data:
                     if not received:
                         raise _ClosedFirst
@@ -183,6 +183,9 @@ class ProbeClient:
                     break  # a body delimited by the connection's end: the status came
                 received = True
                 parser.feed_data(data)
+            if not answer.head:  # a head that never ends
+                raise ProbeFailed("ProtocolError", f"no end to the answer's head in its "
+                                                   f"first {MAX_ANSWER_BYTES} bytes")
             keep = answer.complete and answer.keep_alive
             return parser.get_status_code()
         except TimeoutError:
@@ -211,9 +214,9 @@ class ProbeClient:
                     return None
                 sock, _ = kept.pop()
             try:
-                readable = select.select([sock], [], [], 0)[0]
+                readable = _ready(sock, select.POLLIN, 0.0)
             except (OSError, ValueError):
-                readable = [sock]
+                readable = True
             if not readable:
                 return sock
             sock.close()
@@ -245,6 +248,14 @@ class ProbeClient:
         for connections in kept.values():
             for sock, _ in connections:
                 sock.close()
+
+
+def _ready(sock: socket.socket, events: int, wait: float) -> bool:
+    """Whether the socket is ready for `events` within `wait` seconds (poll, not select:
+    a process holding a fleet's connections has descriptors past select's 1,024)."""
+    poller = select.poll()
+    poller.register(sock, events)
+    return bool(poller.poll(wait * 1000.0))
 
 
 def _left(deadline: float, timeout: float) -> float:

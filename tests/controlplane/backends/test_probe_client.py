@@ -4,6 +4,7 @@ probes, answers that drip, run long, are chunked or malformed."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -12,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from controlplane.backends.probe_client import MAX_BODY_BYTES, ProbeClient, ProbeFailed
+from controlplane.backends.probe_client import MAX_ANSWER_BYTES, ProbeClient, ProbeFailed
 from tests.processes import wait_until
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
@@ -153,7 +154,7 @@ def test_chunked_and_oversized_answers_give_their_status_and_only_a_whole_one_is
     bodies = [
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
         b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: %d\r\n\r\n" % (
-            MAX_BODY_BYTES * 2) + b"x" * (MAX_BODY_BYTES * 2),
+            MAX_ANSWER_BYTES * 2) + b"x" * (MAX_ANSWER_BYTES * 2),
         OK,
     ]
 
@@ -171,6 +172,54 @@ def test_chunked_and_oversized_answers_give_their_status_and_only_a_whole_one_is
         assert client.status(endpoint.url, "/v1/models") == 200
         assert endpoint.accepted == 2
     client.close()
+
+
+def test_an_answer_head_that_never_ends_fails_the_probe_after_a_bounded_read() -> None:
+    def serve(endpoint: RawEndpoint, connection: socket.socket) -> None:
+        endpoint.read_request(connection)
+        try:
+            connection.sendall(b"HTTP/1.1 200 OK\r\nX-Long: ")
+            while True:
+                connection.sendall(b"a" * 65536)
+        except OSError:
+            return
+
+    client = ProbeClient()
+    with raw_endpoint(serve) as endpoint:
+        with pytest.raises(ProbeFailed) as endless:
+            client.status(endpoint.url, "/v1/models")
+        assert endless.value.kind == "ProtocolError"
+        assert "head" in str(endless.value)
+
+
+def test_a_tls_handshake_is_bounded_by_the_timeout_with_descriptors_past_1024() -> None:
+    """A process watching a fleet holds more than select's 1,024 descriptors: a
+    handshake nobody answers still times out, and one answered in plain HTTP fails."""
+    spare: list[int] = []
+    while not spare or spare[-1] < 1100:
+        spare.append(os.dup(0))
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    try:
+        client = ProbeClient()
+        started = time.monotonic()
+        with pytest.raises(ProbeFailed) as timed_out:
+            client.status(f"https://127.0.0.1:{silent.getsockname()[1]}", "/v1/models",
+                          timeout=0.5)
+        assert timed_out.value.kind == "Timeout"
+        assert 0.45 < time.monotonic() - started < 1.5
+
+        def plain(endpoint: RawEndpoint, connection: socket.socket) -> None:
+            connection.recv(4096)
+            connection.sendall(OK)
+
+        with raw_endpoint(plain) as endpoint:
+            with pytest.raises(ProbeFailed) as not_tls:
+                client.status(endpoint.url.replace("http:", "https:"), "/v1/models")
+            assert not_tls.value.kind == "ConnectError"
+    finally:
+        silent.close()
+        for descriptor in spare:
+            os.close(descriptor)
 
 
 def test_a_malformed_answer_or_a_header_with_a_line_break_is_a_protocol_error() -> None:
