@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from controlplane.models import Deployment, Replica
 
 
+def _visible_ascii(text: str) -> bool:
+    return all("!" <= char <= "~" for char in text)
+
+
 @dataclass(frozen=True)
 class ExternalConfig:
     url: str
@@ -29,12 +33,19 @@ class ExternalConfig:
         url = data.get("url")
         if not isinstance(url, str) or not url:
             raise BackendConfigError("url", "an external backend needs the endpoint's url")
+        if not _visible_ascii(url):
+            raise BackendConfigError("url", "must be ASCII with no spaces or control characters"
+                                     " (write an international host name in its xn-- form)")
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise BackendConfigError("url", f"{url!r} is not an http(s) URL")
         api_key = data.get("api_key", "")
         if not isinstance(api_key, str):
             raise BackendConfigError("api_key", "must be a string")
+        if api_key and not _visible_ascii(api_key):
+            # It is sent as a header: a space, line break or non-ASCII letter cannot be.
+            raise BackendConfigError("api_key", "must be visible ASCII characters only"
+                                     " (no spaces, line breaks or other letters)")
         # The OpenAI base URL may be given with or without its /v1.
         return cls(url=url.rstrip("/").removesuffix("/v1"), api_key=api_key)
 

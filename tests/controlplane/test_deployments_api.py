@@ -151,6 +151,22 @@ def test_an_external_backend_needs_an_http_url(admin_client: APIClient) -> None:
     assert Backend.objects.count() == 0
 
 
+@pytest.mark.parametrize(("config", "field"), [
+    ({"url": "http://127.0.0.1:9", "api_key": "sk-\u00e9t\u00e9"}, "api_key"),
+    ({"url": "http://127.0.0.1:9", "api_key": "sk-1\r\nX-Injected: 1"}, "api_key"),
+    ({"url": "http://127.0.0.1:9", "api_key": "two words"}, "api_key"),
+    ({"url": "http://\u00fcber.example/v1"}, "url"),
+    ({"url": "http://127.0.0.1:9/v1 "}, "url"),
+])
+def test_an_external_backend_refuses_what_cannot_be_sent_in_a_request(
+        admin_client: APIClient, config: dict[str, str], field: str) -> None:
+    response = admin_client.post("/api/v1/backends/", {"name": "ext", "kind": "external",
+                                                       "config": config}, format="json")
+    assert response.status_code == 400
+    assert field in response.json()["config"][0]
+    assert Backend.objects.count() == 0
+
+
 def test_an_external_backend_hides_its_key(admin_client: APIClient) -> None:
     response = admin_client.post("/api/v1/backends/", {
         "name": "ext", "kind": "external",
