@@ -1,7 +1,8 @@
 """Runs the controllers: a reconcile pass every RECONCILE_INTERVAL_SECONDS, or at once when
 a change asks for one (controlplane/wakeups.py); a pass visits only what has work to do
-unless something may have changed (controlplane/reconciler/schedule.py). Passes run in a
-worker thread so the event loop never blocks. A new process serves the route table the
+unless something may have changed (controlplane/reconciler/schedule.py), and one with
+nothing to do at all is skipped where that can be told without a query (SQLite). Passes
+run in a worker thread so the event loop never blocks. A new process serves the route table the
 last pass left in the database before its own first pass ends.
 
 The collector is reached through its module (`collector.run_collector`), so that it is
@@ -165,6 +166,12 @@ async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval:
     while not stop.is_set():
         requested = reconcile_requested.is_set()
         reconcile_requested.clear()
+        if not requested and _nothing_to_do(reconciler):
+            # Told from the schedule and the database file's header, on this thread: a
+            # pass that would find nothing is not handed to a worker thread at all.
+            liveness.heartbeat.beat("reconcile pass")
+            await _wait_for_next(stop, interval)
+            continue
         try:
             await asyncio.to_thread(_one_pass, reconciler, requested)
             outage.succeeded()
@@ -176,6 +183,12 @@ async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval:
         # Lease's renewal look at this (controlplane/liveness.py).
         liveness.heartbeat.beat("reconcile pass")
         await _wait_for_next(stop, interval)
+
+
+def _nothing_to_do(reconciler: Reconciler) -> bool:
+    """A pass now would visit nothing and see no change (PassSchedule.quiet). Not with
+    REDIS_URL: each pass also keeps the route table in Redis there."""
+    return not settings.REDIS_URL and reconciler.schedule.quiet()
 
 
 async def _wait_for_next(stop: asyncio.Event, interval: float) -> None:

@@ -171,11 +171,13 @@ def write_batch(batch: list[Usage]) -> int:
         transaction,
     )
 
+    from serving.sqlite_commits import eventless_transaction
+
     close_old_connections()
     rows = [_row(u, connection) for u in batch]
     try:
         try:
-            with transaction.atomic(), connection.cursor() as cursor:
+            with eventless_transaction(), connection.cursor() as cursor:
                 return _write_new(cursor, connection, batch, rows)
         except _WrittenBefore:  # rolled back: which rows are new is sorted out row by row
             with transaction.atomic(), connection.cursor() as cursor:

@@ -31,6 +31,7 @@ from django.utils import timezone
 
 from controlplane.backends.base import Observation, ReplicaBackend, backend_for
 from controlplane.models import Deployment, Replica
+from serving.sqlite_commits import eventless_transaction
 
 # Probes run side by side (a probe that times out costs one timeout, not one per replica).
 PROBE_THREADS = 32
@@ -199,7 +200,9 @@ class ProbePacer:
                       and seen.message == replica.last_error):
                 changed.add(deployment.pk)
         if healthy:
-            Replica.objects.filter(pk__in=[r.pk for r in healthy]).update(last_health_at=wall)
+            with eventless_transaction():  # no event: the change watch stays quiet
+                Replica.objects.filter(pk__in=[r.pk for r in healthy]).update(
+                    last_health_at=wall)
             for replica in healthy:
                 replica.last_health_at = wall
         return changed, {replica.pk: observations[replica.pk] for deployment, replica in due

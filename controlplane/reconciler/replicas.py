@@ -30,6 +30,7 @@ from controlplane.reconciler.status import (
     save,
     write_status,
 )
+from serving.sqlite_commits import eventless_transaction
 
 OBSERVED_PHASES = (Replica.Phase.STARTING, Replica.Phase.LOADING, Replica.Phase.WARMING,
                    Replica.Phase.READY)
@@ -195,8 +196,9 @@ class ReplicaReconciler:
     def record_health(self) -> None:
         """Write the pass's successful probes, in one statement."""
         if self.healthy_now:
-            Replica.objects.filter(pk__in=self.healthy_now).update(
-                last_health_at=timezone.now())
+            with eventless_transaction():  # no event: the change watch stays quiet
+                Replica.objects.filter(pk__in=self.healthy_now).update(
+                    last_health_at=timezone.now())
             self.healthy_now = []
 
     def start_replica(self, deployment: Deployment, backend: ReplicaBackend,

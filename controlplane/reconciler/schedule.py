@@ -11,7 +11,9 @@ Between full passes a pass visits only the deployments with work to do: those no
 settled (a replica on its way somewhere, a deployment being deleted, a backend whose
 replicas are checked every pass: local processes, Kubernetes pods), and those with a
 probe due (controlplane/reconciler/probes.py). A settled fleet of external endpoints thus
-costs one indexed query a second and the probes that fall due.
+costs one indexed query a second and the probes that fall due; on SQLite not even the
+query while the database file's commit counter says nobody else has committed since the
+last one (`PassSchedule.quiet`, serving/sqlite_commits.py): such a pass is skipped.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from django.db import connection
 from django.utils import timezone
 
 from controlplane.models import AuditEvent, Deployment, Replica
+from serving.sqlite_commits import commits, counter
 
 # The reconciler's own events are its own doing; it needs no telling.
 OWN_ACTOR = "reconciler"
@@ -55,12 +58,23 @@ class ChangeWatch:
 
     def __init__(self) -> None:
         self.seen: set[tuple[int, int]] | None = None
+        #: The SQLite file's commit counter just before the last query (None: not told).
+        self.looked: int | None = None
+
+    def quiet(self) -> bool:
+        """Nobody else has committed since the last query (SQLite only)."""
+        return self.seen is not None and commits.unchanged_since(self.looked)
 
     def changed(self) -> bool:
         """Whether an event (or a repeat of one) was written by someone else since the
-        last call; True on the first. The query is written out, not built by the ORM:
-        it runs every pass (about once a second), and the ORM's building of it cost more
-        than the indexed query itself (no ordering either: the rows make a set)."""
+        last call; True on the first. On SQLite no query while the database file says
+        nobody else has committed since the last one (serving/sqlite_commits.py). The
+        query is written out, not built by the ORM: it runs every pass (about once a
+        second), and the ORM's building of it cost more than the indexed query itself
+        (no ordering either: the rows make a set)."""
+        if self.quiet():
+            return False
+        looked = counter()
         since = timezone.now() - timedelta(seconds=CHANGE_WINDOW_SECONDS)
         q = connection.ops.quote_name
         with connection.cursor() as cursor:
@@ -70,7 +84,7 @@ class ChangeWatch:
                 [connection.ops.adapt_datetimefield_value(since), OWN_ACTOR])
             rows = set(cursor.fetchall())
         changed = self.seen is None or bool(rows - self.seen)
-        self.seen = rows
+        self.seen, self.looked = rows, looked
         return changed
 
 
@@ -105,6 +119,16 @@ class PassSchedule:
         next."""
         changed = self.watch.changed()
         return requested or changed or time.monotonic() >= self.full_at
+
+    def quiet(self) -> bool:
+        """Whether a pass now would visit nothing and find no change: no full pass due,
+        no deployment with work to do or a probe due, and (SQLite) no commit since the
+        change watch last looked but this process's own that write no event
+        (serving/sqlite_commits.py). Asks the database nothing, so the controllers can
+        skip such a pass without handing it to a thread."""
+        now = time.monotonic()
+        return (now < self.full_at and not self.active
+                and all(at > now for at in self.probe_at.values()) and self.watch.quiet())
 
     def starting_full(self) -> None:
         """A full pass begins: every deployment is noted again."""

@@ -155,3 +155,80 @@ def test_a_new_process_routes_from_the_last_pass_before_its_first_pass() -> None
         assert table.routes_for("deleted-meanwhile") is None
         assert table.routes_for("stopped-meanwhile").replicas == ()  # type: ignore[union-attr]
         assert endpoint.requests == probes
+
+
+@pytest.mark.django_db(transaction=True)  # the passes run on threads of their own
+def test_a_pass_with_nothing_to_do_is_skipped_and_a_change_made_elsewhere_still_acted_on(
+        settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On SQLite a settled fleet's passes are not run at all (no thread, no query) while
+    only this process's usage writer commits; a change committed by another process (no
+    wake-up here, only its audit event in the database) is acted on at the next beat."""
+    from controlplane import liveness, services
+    from controlplane.models import Deployment, Replica
+    from serving.sqlite_commits import counter
+    from serving.usage import Usage, write_batch
+    from tests.endpoints import stand_in_endpoint
+    from tests.factories import make_backend
+
+    if counter() is None:
+        pytest.skip("the test database is not a SQLite file")
+    settings.REDIS_URL = ""
+    settings.HEALTH_CHECK_SECONDS = 3600  # no probe falls due during the test
+    settings.RECONCILE_RESYNC_SECONDS = 3600
+    monkeypatch.setattr(services, "request_reconcile", lambda: None)  # as elsewhere
+    passes: list[float] = []
+    beats: list[float] = []
+    one_pass, beat = controllers._one_pass, liveness.heartbeat.beat
+
+    def counted_pass(*args: Any) -> None:
+        passes.append(time.monotonic())
+        one_pass(*args)
+
+    def counted_beat(what: str) -> None:
+        beats.append(time.monotonic())
+        beat(what)
+
+    monkeypatch.setattr(controllers, "_one_pass", counted_pass)
+    monkeypatch.setattr(liveness.heartbeat, "beat", counted_beat)
+
+    def replicas() -> list[str]:
+        return sorted(Replica.objects.filter(phase=Replica.Phase.READY)
+                      .values_list("deployment__name", flat=True))
+
+    async def skipping(beats_without_a_pass: int) -> None:
+        """Until that many beats in a row ran no pass."""
+        async with asyncio.timeout(20):
+            while len([b for b in beats if not passes or b > passes[-1]]) \
+                    < beats_without_a_pass:
+                await asyncio.sleep(0.02)
+
+    async def scenario(edge: Deployment) -> None:
+        stop = asyncio.Event()
+        running = asyncio.get_running_loop().create_task(
+            controllers._reconcile_loop(Reconciler(), stop, 0.05))
+        try:
+            async with asyncio.timeout(20):
+                while await asyncio.to_thread(replicas) != ["edge", "other"]:
+                    await asyncio.sleep(0.02)
+            await skipping(10)
+            ran = len(passes)
+            await asyncio.to_thread(write_batch, [Usage(
+                at=time.time(), request_id="r1", key_id=None, model="fake",
+                deployment="edge", replica="edge-1", status=200, stream=False,
+                prompt_tokens=1, completion_tokens=1, queue_ms=0.0, ttft_ms=1.0,
+                itl_ms=None, e2e_ms=2.0)])
+            await skipping(10)
+            assert len(passes) == ran  # the usage writer's commit asked for no pass
+            await asyncio.to_thread(services.set_deployment_state, edge,
+                                    Deployment.State.STOPPED, actor="someone")
+            async with asyncio.timeout(20):
+                while await asyncio.to_thread(replicas) != ["other"]:
+                    await asyncio.sleep(0.02)
+        finally:
+            stop.set()
+            await running
+
+    with stand_in_endpoint() as endpoint:
+        edge, _ = (make_deployment(name, replicas=1, backend=make_backend(
+            name, "external", {"url": endpoint.url})) for name in ("edge", "other"))
+        asyncio.run(scenario(edge))

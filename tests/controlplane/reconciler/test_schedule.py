@@ -17,10 +17,20 @@ from controlplane.models import Deployment, Replica
 from controlplane.reconciler import Reconciler
 from controlplane.routing import current_pools
 from controlplane.services import set_deployment_state
+from serving.sqlite_commits import commits, counter
 from tests.endpoints import StandInEndpoint, stand_in_endpoint
 from tests.factories import make_backend, make_deployment
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def untold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests change the database on their own connection, inside the test's
+    transaction: nothing is committed, so the SQLite file's commit counter cannot see it
+    (serving/sqlite_commits.py: tested there and in test_controllers.py). The passes here
+    run as where the database cannot tell (PostgreSQL): the change watch queries."""
+    monkeypatch.setattr(commits, "unchanged_since", lambda looked: False)
 
 
 @pytest.fixture
@@ -64,8 +74,14 @@ def all_ready() -> bool:
     return Replica.objects.filter(phase=Replica.Phase.READY).count() == 10
 
 
+@pytest.mark.parametrize("told", [False, True], ids=["untold", "sqlite-file"])
 def test_a_pass_over_a_settled_fleet_reads_one_query_writes_nothing_and_probes_nothing(
-        fleet: list[Deployment], endpoint: StandInEndpoint, settings: Any) -> None:
+        fleet: list[Deployment], endpoint: StandInEndpoint, settings: Any,
+        monkeypatch: pytest.MonkeyPatch, told: bool) -> None:
+    if told:
+        if counter() is None:
+            pytest.skip("the test database is not a SQLite file")
+        monkeypatch.undo()  # the file's counter itself: nothing is committed here
     settings.HEALTH_CHECK_SECONDS = 3600  # no probe falls due during the test
     reconciler = Reconciler()
     settle(reconciler, all_ready, "every replica ready")
@@ -74,8 +90,9 @@ def test_a_pass_over_a_settled_fleet_reads_one_query_writes_nothing_and_probes_n
     with CaptureQueriesContext(connection) as queries:
         results = [reconciler.reconcile_changed() for _ in range(5)]
     assert [(r.full, r.deployments, r.changed) for r in results] == [(False, 0, 0)] * 5
-    # Only the change watch's look at the audit log, once a pass.
-    assert len(queries.captured_queries) == 5
+    # Only the change watch's look at the audit log, once a pass; none where the
+    # database file says nothing was committed since its last look.
+    assert len(queries.captured_queries) == (0 if told else 5)
     assert all(q["sql"].startswith("SELECT") for q in queries.captured_queries)
     assert endpoint.requests == probes
 
@@ -304,3 +321,19 @@ def test_hung_endpoints_past_the_probe_threads_are_each_probed_once_while_they_w
             connection.close()
         for listener in listeners:
             listener.close()
+
+
+def test_a_settled_fleet_is_quiet_until_a_probe_falls_due(
+        fleet: list[Deployment], settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(commits, "unchanged_since", lambda looked: True)  # none elsewhere
+    settings.HEALTH_CHECK_SECONDS = 0.5
+    reconciler = Reconciler()
+    settle(reconciler, all_ready, "every replica ready")
+    # The controllers skip a pass while this holds (controlplane/controllers.py).
+    settle(reconciler, reconciler.schedule.quiet, "quiet")
+    deadline = time.monotonic() + 5
+    while reconciler.schedule.quiet():
+        assert time.monotonic() < deadline, "a probe never fell due"
+        time.sleep(0.02)
+    assert reconciler.schedule.due()
+    assert reconciler.reconcile_changed().full is False
