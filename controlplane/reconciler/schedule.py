@@ -5,7 +5,9 @@ changed: the first pass of a process, a pass asked for in this process
 (`wakeups.request_reconcile`: services, the autoscaler), a change seen in the audit log
 (`ChangeWatch`: every change made through the API, the pages, the CLI or the autoscaler
 writes an event there, from whatever process), and at least every
-RECONCILE_RESYNC_SECONDS as a safety net for a write nothing told (a SQL shell).
+RECONCILE_RESYNC_SECONDS as a safety net for a write nothing told (a SQL shell); on
+SQLite that one only when the database file shows a commit by someone else since the
+last full pass (such a write moves its counter too).
 
 Between full passes a pass visits only the deployments with work to do: those not
 settled (a replica on its way somewhere, a deployment being deleted, a backend whose
@@ -60,6 +62,9 @@ class ChangeWatch:
         self.seen: set[tuple[int, int]] | None = None
         #: The SQLite file's commit counter just before the last query (None: not told).
         self.looked: int | None = None
+        #: Whether anyone else may have committed since the last full pass (a query was
+        #: needed since): only then is the resync's full pass due (`PassSchedule`).
+        self.foreign = True
 
     def quiet(self) -> bool:
         """Nobody else has committed since the last query (SQLite only)."""
@@ -74,6 +79,7 @@ class ChangeWatch:
         (no ordering either: the rows make a set)."""
         if self.quiet():
             return False
+        self.foreign = True
         looked = counter()
         since = timezone.now() - timedelta(seconds=CHANGE_WINDOW_SECONDS)
         q = connection.ops.quote_name
@@ -118,7 +124,13 @@ class PassSchedule:
         every call (before the pass), so a change committed during a pass is seen by the
         next."""
         changed = self.watch.changed()
-        return requested or changed or time.monotonic() >= self.full_at
+        return requested or changed or self.resync_due(time.monotonic())
+
+    def resync_due(self, now: float) -> bool:
+        """RECONCILE_RESYNC_SECONDS since the last full pass, and a write nothing told
+        may have come meanwhile: on SQLite only when the database file shows a commit by
+        anyone else since then (a SQL shell's moves its counter too), elsewhere always."""
+        return now >= self.full_at and self.watch.foreign
 
     def quiet(self) -> bool:
         """Whether a pass now would visit nothing and find no change: no full pass due,
@@ -127,12 +139,13 @@ class PassSchedule:
         (serving/sqlite_commits.py). Asks the database nothing, so the controllers can
         skip such a pass without handing it to a thread."""
         now = time.monotonic()
-        return (now < self.full_at and not self.active
+        return (not self.resync_due(now) and not self.active
                 and all(at > now for at in self.probe_at.values()) and self.watch.quiet())
 
     def starting_full(self) -> None:
         """A full pass begins: every deployment is noted again."""
         self.full_at = time.monotonic() + settings.RECONCILE_RESYNC_SECONDS
+        self.watch.foreign = not self.watch.quiet()
         self.active.clear()
         self.probe_at.clear()
 

@@ -337,3 +337,39 @@ def test_a_settled_fleet_is_quiet_until_a_probe_falls_due(
         time.sleep(0.02)
     assert reconciler.schedule.due()
     assert reconciler.reconcile_changed().full is False
+
+
+@pytest.mark.django_db(transaction=True)  # commits, as other processes see them
+def test_on_sqlite_the_resync_comes_only_after_a_write_by_someone_else(
+        endpoint: StandInEndpoint, settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write nothing told (a SQL shell's: no event) still moves the database file's
+    commit counter: the resync's full pass follows it at the next pass once due, and
+    with no such write it is not needed."""
+    import sqlite3
+
+    monkeypatch.undo()  # the file's counter itself
+    if counter() is None:
+        pytest.skip("the test database is not a SQLite file")
+    settings.RECONCILE_RESYNC_SECONDS = 1
+    settings.HEALTH_CHECK_SECONDS = 3600
+    edge = make_deployment("edge", replicas=1, backend=make_backend(
+        "edge", "external", {"url": endpoint.url}))
+    reconciler = Reconciler()
+    settle(reconciler, lambda: Replica.objects.filter(phase=Replica.Phase.READY).exists(),
+           "ready")
+    schedule = reconciler.schedule
+    # The passes that got there wrote (a query saw it): one resync follows them.
+    settle(reconciler, lambda: schedule.quiet() and not schedule.watch.foreign,
+           "quiet, a resync after the last write", seconds=15)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:  # past the next resync's time: still quiet
+        assert schedule.quiet()
+        assert reconciler.reconcile_changed().full is False
+        time.sleep(0.05)
+    database = connection.settings_dict["NAME"]
+    with sqlite3.connect(database) as shell:  # as a SQL shell would: no event
+        shell.execute(f"UPDATE {Deployment._meta.db_table} SET state = ? WHERE id = ?",
+                      (Deployment.State.STOPPED.value, edge.pk))
+    assert not schedule.quiet()
+    assert reconciler.reconcile_changed().full is True
+    assert not Replica.objects.filter(deployment=edge).exists()  # acted on
