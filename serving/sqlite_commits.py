@@ -109,10 +109,16 @@ def eventless_transaction() -> Iterator[None]:
     """A transaction of this process that writes no audit event another process would
     need to be told of (usage records, the reconciler's own health records): committed,
     it leaves the change watch quiet. Nested in another transaction it commits nothing
-    itself, and counts for nothing."""
-    from django.db import transaction
+    itself, and counts for nothing. One that changed no row counts for nothing either:
+    its commit leaves the counter where it was, so a commit by another process right
+    after it would read as this one's."""
+    from django.db import connection, transaction
 
     with transaction.atomic():
+        handle = connection.connection
+        changes = getattr(handle, "total_changes", None)  # SQLite's rows changed so far
         yield
-        before = counter()  # the write lock is held: no other commit comes between
+        wrote = changes is not None and handle.total_changes != changes
+        # The write lock is held once a row is written: no other commit comes between.
+        before = counter() if wrote else None
     commits.own_commit(before)

@@ -143,3 +143,33 @@ def test_a_watch_that_looked_long_ago_queries_again(database: Path) -> None:
     db.close()
     assert not watch.unchanged_since(looked)  # further back than it walks
     assert watch.unchanged_since(looked + 1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_transaction_that_changed_no_row_is_not_counted_as_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its commit leaves the counter as it was: a commit by another process landing
+    right after it (before the counter is read again) must not pass for this one."""
+    from django.db import connection
+
+    from controlplane.models import AuditEvent
+    from serving.sqlite_commits import eventless_transaction
+
+    if counter() is None:
+        pytest.skip("the test database is not a SQLite file")
+    watch = sqlite_commits.commits
+    own_commit = watch.own_commit
+
+    def another_process_commits_first(before: int | None) -> None:
+        with sqlite3.connect(connection.settings_dict["NAME"]) as other:
+            (version,) = other.execute("PRAGMA user_version").fetchone()
+            other.execute(f"PRAGMA user_version = {version + 1}")  # a commit, nothing read
+        own_commit(before)
+
+    monkeypatch.setattr(watch, "own_commit", another_process_commits_first)
+    looked = counter()
+    assert looked is not None
+    with eventless_transaction():
+        assert AuditEvent.objects.filter(pk=-1).update(count=2) == 0
+    assert counter() == looked + 1  # the other process's commit alone
+    assert not watch.unchanged_since(looked)
