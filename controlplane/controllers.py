@@ -2,8 +2,8 @@
 a change asks for one (controlplane/wakeups.py); a pass visits only what has work to do
 unless something may have changed (controlplane/reconciler/schedule.py), and one with
 nothing to do at all is skipped where that can be told without a query (SQLite). Passes
-run in a worker thread so the event loop never blocks. A new process serves the route table the
-last pass left in the database before its own first pass ends.
+run in a worker thread so the event loop never blocks. A new process serves the route
+table the last pass left in the database before its own first pass ends.
 
 The collector is reached through its module (`collector.run_collector`), so that it is
 looked up when the controllers start."""
