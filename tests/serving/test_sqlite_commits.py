@@ -112,12 +112,12 @@ def test_a_file_that_cannot_be_read_as_sqlite_is_never_unchanged(
     assert counter() is None and not CommitWatch().unchanged_since(None)
 
 
+@pytest.mark.sqlite_file
 @pytest.mark.django_db(transaction=True)
 def test_the_usage_writer_commits_as_its_own() -> None:
     from serving.usage import Usage, write_batch
 
-    if counter() is None:
-        pytest.skip("the test database is not a SQLite file")
+    assert counter() is not None, "the test database is not a SQLite file"
     looked = counter()
     written = write_batch([Usage(at=time.time(), request_id=f"r{n}", key_id=None,
                                  model="fake", deployment="demo", replica="demo-1",
@@ -145,6 +145,7 @@ def test_a_watch_that_looked_long_ago_queries_again(database: Path) -> None:
     assert watch.unchanged_since(looked + 1)
 
 
+@pytest.mark.sqlite_file
 @pytest.mark.django_db(transaction=True)
 def test_a_transaction_that_changed_no_row_is_not_counted_as_its_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,8 +156,7 @@ def test_a_transaction_that_changed_no_row_is_not_counted_as_its_own(
     from controlplane.models import AuditEvent
     from serving.sqlite_commits import eventless_transaction
 
-    if counter() is None:
-        pytest.skip("the test database is not a SQLite file")
+    assert counter() is not None, "the test database is not a SQLite file"
     watch = sqlite_commits.commits
     own_commit = watch.own_commit
 
