@@ -14,7 +14,7 @@ when the response ends, whatever the room (a long answer delays the next request
 
 In memory for one process (the embedded default); in Redis when REDIS_URL is set, a Lua
 script so several gateway processes share one budget, timed by Redis's clock (the checks
-arriving together sent in one call).
+arriving together sent in one call, their verdicts handed out as its reply comes).
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
+
+from serving.upstream.eager import run_eagerly
 
 logger = logging.getLogger(__name__)
 
@@ -184,12 +187,27 @@ BATCH_BUCKETS = 512
 Check = tuple[str, list[Limit], asyncio.Future[Verdict]]
 
 
+def settle(checks: list[Check], replies: Any) -> None:
+    """Each check's verdict from the script's reply (once: a caller given its verdict is
+    not given it again)."""
+    verdicts = [Verdict(bool(int(result[0])), float(result[1]),
+                        [float(v) for v in result[2:]], limits)
+                for (_, limits, _), result in zip(checks, replies, strict=True)]
+    for (_, _, waiting), verdict in zip(checks, verdicts, strict=True):
+        if not waiting.done():
+            waiting.set_result(verdict)
+
+
 class RedisLimiter:
     """Shared by every gateway process using the same Redis: the script on the event
     loop's own pipelined connection (serving/redis_script.py). The checks made in one
     turn of the event loop (a burst of requests) go to Redis in one script call, up to
     `most_per_call` checks and BATCH_BUCKETS buckets each: Redis pays a call's fixed cost
-    once for them, and this process one write, one reply and one timer."""
+    once for them, and this process one write, one reply and one timer. A call is
+    written in the turn after its checks were made, not at the first step of a task a
+    turn later, and its checks get their verdicts from the connection's callback as the
+    reply comes, not from the call's task a turn later: in a burst, each such turn waits
+    behind the other requests' work."""
 
     def __init__(self, url: str, *, most_per_call: int = BATCH_CHECKS) -> None:
         from serving.redis_script import ScriptClient
@@ -197,7 +215,7 @@ class RedisLimiter:
         self.script = ScriptClient(url, SCRIPT)
         self.most_per_call = max(1, most_per_call)
         self.waiting: list[Check] = []
-        self.sending: set[asyncio.Task[None]] = set()
+        self.sending: set[asyncio.Future[None]] = set()
 
     async def _run(self, mode: str, limits: list[Limit]) -> Verdict:
         loop = asyncio.get_running_loop()
@@ -224,10 +242,13 @@ class RedisLimiter:
             self.start_sending(batch)
 
     def start_sending(self, checks: list[Check]) -> None:
-        """One script call for `checks`, in a task held until it ends."""
-        task = asyncio.get_running_loop().create_task(self.send(checks))
-        self.sending.add(task)
-        task.add_done_callback(self.sending.discard)
+        """One script call for `checks`, written at once (not a turn of the event loop
+        later, at the first step of a task); what is left once it waits for Redis runs
+        in a task held until it ends."""
+        task = run_eagerly(self.send(checks))
+        if not task.done():
+            self.sending.add(task)
+            task.add_done_callback(self.sending.discard)
 
     async def send(self, checks: list[Check]) -> None:
         """One script call for `checks`; each caller gets its verdict, or the error."""
@@ -242,10 +263,11 @@ class RedisLimiter:
                 keys.append(REDIS_PREFIX + limit.bucket)
                 args += [repr(limit.interval), repr(float(limit.cost))]
         try:
-            replies = await self.script.run(keys, args)
-            verdicts = [Verdict(bool(int(result[0])), float(result[1]),
-                                [float(v) for v in result[2:]], limits)
-                        for (_, limits, _), result in zip(checks, replies, strict=True)]
+            # Each caller gets its verdict from the connection's callback as the reply
+            # comes, a turn of the event loop sooner than from here.
+            replies = await self.script.run(keys, args, partial(settle, checks))
+            if not all(waiting.done() for _, _, waiting in checks):
+                settle(checks, replies)
         except asyncio.CancelledError:
             for _, _, waiting in checks:
                 waiting.cancel()
@@ -254,10 +276,6 @@ class RedisLimiter:
             for _, _, waiting in checks:
                 if not waiting.done():
                     waiting.set_exception(exc)
-            return
-        for (_, _, waiting), verdict in zip(checks, verdicts, strict=True):
-            if not waiting.done():
-                waiting.set_result(verdict)
 
     async def admit(self, limits: list[Limit], *, commit: bool = True) -> Verdict:
         """Check (and with `commit`, charge) every limit at once."""

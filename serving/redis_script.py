@@ -25,6 +25,7 @@ import asyncio
 import collections
 import hashlib
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
@@ -34,6 +35,9 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from serving.redis_clients import CONNECT_TIMEOUT_SECONDS, TIMEOUT_SECONDS
+
+# Called with a reply from the connection's callback, as it comes.
+FirstLook = Callable[[Any], None]
 
 
 def command(*parts: bytes | str | int) -> bytes:
@@ -47,13 +51,16 @@ def command(*parts: bytes | str | int) -> bytes:
 
 class Wire(asyncio.Protocol):
     """One connection: commands written in order, each reply handed to the oldest call
-    still waiting."""
+    still waiting (and first, from the connection's callback, to the call's `first_look`
+    when it gave one: the caller's task would see the reply only a turn of the event loop
+    later)."""
 
     def __init__(self, timeout: float) -> None:
         self.loop = asyncio.get_running_loop()
         self.timeout = timeout
         self.reader = hiredis.Reader()
-        self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self.waiting: collections.deque[tuple[asyncio.Future[Any], FirstLook | None]] = (
+            collections.deque())
         self.transport: asyncio.Transport | None = None
         self.lost = False
 
@@ -66,7 +73,12 @@ class Wire(asyncio.Protocol):
             if not self.waiting:  # a reply nobody asked for: the stream cannot be trusted
                 self.drop(RedisConnectionError("Redis sent a reply nobody waited for"))
                 return
-            call = self.waiting.popleft()
+            call, first_look = self.waiting.popleft()
+            if first_look is not None and not isinstance(reply, hiredis.ReplyError):
+                try:
+                    first_look(reply)
+                except Exception:  # the caller reads the reply again, and gets the fault
+                    pass
             if not call.done():
                 call.set_result(reply)
 
@@ -79,7 +91,7 @@ class Wire(asyncio.Protocol):
         `error`."""
         self.lost = True
         while self.waiting:
-            call = self.waiting.popleft()
+            call, _ = self.waiting.popleft()
             if not call.done():
                 call.set_exception(error)
 
@@ -89,12 +101,13 @@ class Wire(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    async def call(self, request: bytes) -> Any:
-        """Send one command; its reply (an error reply as a hiredis.ReplyError)."""
+    async def call(self, request: bytes, first_look: FirstLook | None = None) -> Any:
+        """Send one command; its reply (an error reply as a hiredis.ReplyError), given
+        first to `first_look` unless an error reply."""
         if self.lost or self.transport is None or self.transport.is_closing():
             raise RedisConnectionError("the connection to Redis is closed")
         reply = self.loop.create_future()
-        self.waiting.append(reply)
+        self.waiting.append((reply, first_look))
         self.transport.write(request)
         timer = self.loop.call_later(self.timeout, self.stalled, reply)
         try:
@@ -131,18 +144,20 @@ class WireClient:
         self.wire: Wire | None = None
         self.connecting: asyncio.Task[Wire] | None = None
 
-    async def send(self, request: bytes, unknown_script: bytes | None = None) -> Any:
+    async def send(self, request: bytes, unknown_script: bytes | None = None,
+                   first_look: FirstLook | None = None) -> Any:
         """The reply to `request` (ResponseError for an error reply; redis-py's
         ConnectionError or TimeoutError when Redis cannot be reached or does not answer).
         A request that finds its connection broken is sent once more on a new one; with
-        `unknown_script`, that is sent instead when Redis answers it lacks the script."""
+        `unknown_script`, that is sent instead when Redis answers it lacks the script.
+        `first_look` sees the reply as it comes (Wire), before this returns it."""
         for attempt in (1, 2):
             wire = await self.connection()
             try:
-                reply = await wire.call(request)
+                reply = await wire.call(request, first_look)
                 if (unknown_script is not None and isinstance(reply, hiredis.ReplyError)
                         and str(reply).startswith("NOSCRIPT")):
-                    reply = await wire.call(unknown_script)
+                    reply = await wire.call(unknown_script, first_look)
             except RedisTimeoutError:
                 raise
             except RedisConnectionError:
@@ -215,11 +230,13 @@ class ScriptClient(WireClient):
         self.script = script.encode()
         self.sha = hashlib.sha1(self.script).hexdigest().encode()
 
-    async def run(self, keys: list[str], args: list[str]) -> Any:
-        """The script's reply (EVALSHA; the script itself when Redis lacks it)."""
+    async def run(self, keys: list[str], args: list[str],
+                  first_look: FirstLook | None = None) -> Any:
+        """The script's reply (EVALSHA; the script itself when Redis lacks it), shown
+        first to `first_look` as it comes."""
         numbers: list[bytes | str | int] = [len(keys), *keys, *args]
         return await self.send(command(b"EVALSHA", self.sha, *numbers),
-                               command(b"EVAL", self.script, *numbers))
+                               command(b"EVAL", self.script, *numbers), first_look)
 
 
 class Commands(WireClient):

@@ -322,3 +322,53 @@ def test_tokens_owed_after_answers_reach_redis_summed_in_one_call_and_none_lost_
     with private_redis() as server:
         settings.REDIS_URL = server.url
         asyncio.run(run(server.url))
+
+
+def test_each_check_gets_its_verdict_as_the_scripts_reply_comes() -> None:
+    """The checks made in one turn of the event loop are written to Redis in the next
+    (not a turn later, at the first step of a task), and get their verdicts from the
+    script's reply as the connection hands it over (its `first_look`), not once the
+    call's task resumes: here that task never does, and the verdicts come all the same,
+    each its own."""
+    turns = [0]
+
+    def count_turns() -> None:
+        turns[0] += 1
+        asyncio.get_running_loop().call_soon(count_turns)
+
+    class ReplyThenHold:
+        """A script client that shows the reply and then never returns."""
+
+        def __init__(self) -> None:
+            self.held = asyncio.Event()
+            self.called_at: list[int] = []
+
+        async def run(self, keys: list[str], args: list[str],
+                      first_look: Any = None) -> Any:
+            self.called_at.append(turns[0])
+            reply = [[1, "0", f"{n}.0"] for n in range(len(keys))]
+            first_look(reply)
+            await self.held.wait()
+            return reply
+
+        async def close(self) -> None:
+            return None
+
+    async def run() -> None:
+        limiter = RedisLimiter(REDIS)
+        await limiter.script.close()
+        limiter.script = ReplyThenHold()  # type: ignore[assignment]
+        rpm = [Limit("requests", bucket(), 60, 1)]
+        asyncio.get_running_loop().call_soon(count_turns)
+        await asyncio.sleep(0)
+        checks = [asyncio.ensure_future(limiter.admit(rpm)) for _ in range(3)]
+        made_at = turns[0]  # the checks are made in the next turn
+        verdicts = await asyncio.wait_for(asyncio.gather(*checks), 5)
+        assert limiter.script.called_at == [made_at + 2]  # type: ignore[attr-defined]
+        assert [v.used for v in verdicts] == [[0.0], [1.0], [2.0]]
+        assert all(v.allowed for v in verdicts)
+        assert len(limiter.sending) == 1  # the call itself still waits
+        for task in limiter.sending:
+            task.cancel()
+
+    asyncio.run(run())

@@ -12,6 +12,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -161,3 +162,32 @@ def test_plain_commands_answer_as_redis_py_does_and_a_broken_connection_is_repla
         asyncio.run(run())
     finally:
         blocking.delete(key, missing)
+
+
+def test_a_reply_is_shown_to_the_callers_first_look_before_the_caller_gets_it() -> None:
+    """A call's `first_look` sees its reply from the connection's callback, before the
+    caller's task resumes with it (the rate limiter hands out verdicts from there, a turn
+    of the event loop sooner); an error reply is not shown to it, and a first look that
+    fails costs the caller nothing."""
+    async def run() -> None:
+        client = ScriptClient(REDIS, SCRIPT)
+        key = f"test:script:{uuid.uuid4().hex}"
+        seen: list[tuple[Any, bool]] = []
+        call = asyncio.ensure_future(
+            client.run([key], ["2"], lambda reply: seen.append((reply, call.done()))))
+
+        def broken(reply: Any) -> None:
+            raise ValueError("a first look that fails")
+
+        other = asyncio.ensure_future(client.run([key], ["3"], broken))
+        refused = asyncio.ensure_future(client.run([key], ["not a number"],
+                                                   lambda reply: seen.append((reply, False))))
+        assert await call == [key.encode(), 2]
+        assert seen == [([key.encode(), 2], False)]  # seen before the caller had it
+        assert await other == [key.encode(), 5]
+        with pytest.raises(ResponseError):
+            await refused
+        assert len(seen) == 1
+        await client.close()
+
+    asyncio.run(run())
