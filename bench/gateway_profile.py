@@ -26,10 +26,11 @@ from bench.stream_load import load  # noqa: E402
 
 def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
     """py-spy on the gateway process while --profile-load goes through it (128 paced
-    streams unless told): every thread's active stacks, 100 a second, as raw collapsed
-    stacks into --profile; then where the time goes, and the gateway's CPU per request and
-    per event over one round of the same load without the sampler."""
+    streams unless told): every thread's active stacks, 100 a second (--profile-rate), as
+    raw collapsed stacks into --profile; then where the time goes, and the gateway's CPU
+    per request and per event over one round of the same load without the sampler."""
     py_spy = router_executable(Path(options.router_env)).parent / "py-spy"
+    rate = options.profile_rate or 100
     load_ = options.profile_load
     product = ControlPlane(**extra_env)
     engine: subprocess.Popen[bytes] | None = None
@@ -50,7 +51,7 @@ def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> N
         gateway = Endpoint("gateway", {}, None, {model: product.process.pid})
         before, started = gateway.cpu_reading(model), time.monotonic()
         subprocess.run([str(py_spy), "record", "--pid", str(product.process.pid),
-                        "--duration", str(options.profile_seconds), "--rate", "100",
+                        "--duration", str(options.profile_seconds), "--rate", str(rate),
                         "--format", "raw", "--threads",
                         # C frames (uvloop, the interpreter) need the process paused.
                         *(["--native"] if options.profile_native else ["--nonblocking"]),
@@ -69,15 +70,16 @@ def profile_gateway(options: argparse.Namespace, extra_env: dict[str, str]) -> N
           f"without the sampler, {unsampled.cpu_per_request_ms:.3f} ms per request, "
           f"{unsampled.cpu_per_event_us:.1f} us per event ({unsampled.requests} requests, "
           f"{unsampled.events} events)")
-    print(summarize_profile(Path(options.profile), options.profile_seconds))
+    print(summarize_profile(Path(options.profile), options.profile_seconds, rate))
 
 
 def profile_idle(options: argparse.Namespace, extra_env: dict[str, str]) -> None:
     """py-spy on the gateway process with no traffic at all (the embedded controllers,
     collector and load watcher, two external deployments of fake engines routed): every
-    thread's active stacks, 1,000 a second for --profile-seconds, into --profile; then its
-    CPU over the window and where the time goes."""
+    thread's active stacks, 1,000 a second (--profile-rate) for --profile-seconds, into
+    --profile; then its CPU over the window and where the time goes."""
     py_spy = router_executable(Path(options.router_env)).parent / "py-spy"
+    rate = options.profile_rate or 1000
     product = ControlPlane(**extra_env)
     engines: list[subprocess.Popen[bytes]] = []
     try:
@@ -89,7 +91,7 @@ def profile_idle(options: argparse.Namespace, extra_env: dict[str, str]) -> None
         gateway = Endpoint("gateway", {}, None, {"fake": product.process.pid})
         before, started = gateway.cpu_reading("fake"), time.monotonic()
         subprocess.run([str(py_spy), "record", "--pid", str(product.process.pid),
-                        "--duration", str(options.profile_seconds), "--rate", "1000",
+                        "--duration", str(options.profile_seconds), "--rate", str(rate),
                         "--format", "raw", "--threads", "--nonblocking",
                         "--output", options.profile], check=True, stdout=subprocess.DEVNULL)
         busy = gateway.cpu_reading("fake").since(before) / (time.monotonic() - started)
@@ -98,4 +100,4 @@ def profile_idle(options: argparse.Namespace, extra_env: dict[str, str]) -> None
         for engine in engines:
             engine.kill()
     print(f"idle: gateway process CPU while sampled: {busy:.2%} of one core")
-    print(summarize_profile(Path(options.profile), options.profile_seconds, 1000))
+    print(summarize_profile(Path(options.profile), options.profile_seconds, rate))

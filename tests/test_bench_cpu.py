@@ -124,9 +124,12 @@ def test_the_wait_is_unknown_when_a_thread_is_gone_or_went_back() -> None:
      "--other-python /no/such/python: not an executable file"),
     (["--compare-with", ".", "--other-python", "/tmp"],
      "--other-python /tmp: not an executable file"),
+    (["--profile-rate", "1000"], "--profile-rate goes with --profile"),
+    (["--profile", "/tmp/p.txt", "--profile-rate", "0"], "--profile-rate takes 1 to 10000"),
+    (["--profile", "/tmp/p.txt", "--profile-rate", "20000"], "--profile-rate takes 1 to 10000"),
 ])
-def test_the_benchmark_refuses_an_other_python_it_cannot_run(arguments: list[str],
-                                                               error: str) -> None:
+def test_the_benchmark_refuses_arguments_it_cannot_use(arguments: list[str],
+                                                       error: str) -> None:
     from tests.processes import ROOT
 
     done = subprocess.run([sys.executable, "bench/gateway_overhead.py", *arguments],
