@@ -285,7 +285,9 @@ def test_a_replica_that_falls_silent_mid_stream_ends_it_with_an_error_event(
         os.kill(victim.process.pid, signal.SIGCONT)
     assert '"type":"upstream_error"' in events[-1] and "sent nothing for 1 s" in events[-1]
     assert len(events) < 500
-    assert 1 <= ended < 10  # the limit, not the stream's length (10 s)
+    # The limit, not the stream's length (10 s). It runs from the last byte the gateway
+    # heard, which can come a little before this test's clock starts at the stop.
+    assert 0.9 <= ended < 10
     assert answer.choices[0].text == " tok tok"
     assert answered_in < 1  # not first sent to the silent replica
 
