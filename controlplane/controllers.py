@@ -1,7 +1,9 @@
 """Runs the controllers: a reconcile pass every RECONCILE_INTERVAL_SECONDS, or at once when
 a change asks for one (controlplane/wakeups.py); a pass visits only what has work to do
 unless something may have changed (controlplane/reconciler/schedule.py), and one with
-nothing to do at all is skipped where that can be told without a query (SQLite). Passes
+nothing to do at all is skipped where that can be told without a query (SQLite; with
+REDIS_URL, one pass every ROUTE_TABLE_LOOK_SECONDS still looks that Redis holds the
+route table, which a Redis restarted without persistence has lost). Passes
 run in a worker thread so the event loop never blocks. A new process serves the route
 table the last pass left in the database before its own first pass ends.
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import orjson
@@ -34,6 +37,9 @@ from serving.wakeup import until_beat, wait_any
 __all__ = ["publish_decisions", "request_reconcile", "run_autoscaler", "run_controllers"]
 
 logger = logging.getLogger(__name__)
+# With REDIS_URL, how often a pass is run when it would have nothing else to do: to put
+# the route table back in Redis should it have lost it (one EXISTS when it has not).
+ROUTE_TABLE_LOOK_SECONDS = 5.0
 
 
 def _end_of_work() -> None:
@@ -163,15 +169,17 @@ async def publish_decisions(messages: list[dict[str, Any]]) -> None:
 
 async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval: float) -> None:
     outage = DatabaseOutage("reconcile", logger)
+    last_pass = -float("inf")  # time.monotonic() when the last pass began
     while not stop.is_set():
         requested = reconcile_requested.is_set()
         reconcile_requested.clear()
-        if not requested and _nothing_to_do(reconciler):
+        if not requested and _nothing_to_do(reconciler, last_pass):
             # Told from the schedule and the database file's header, on this thread: a
             # pass that would find nothing is not handed to a worker thread at all.
             liveness.heartbeat.beat("reconcile pass")
             await _wait_for_next(stop, interval)
             continue
+        last_pass = time.monotonic()
         try:
             await asyncio.to_thread(_one_pass, reconciler, requested)
             outage.succeeded()
@@ -185,10 +193,15 @@ async def _reconcile_loop(reconciler: Reconciler, stop: asyncio.Event, interval:
         await _wait_for_next(stop, interval)
 
 
-def _nothing_to_do(reconciler: Reconciler) -> bool:
-    """A pass now would visit nothing and see no change (PassSchedule.quiet). Not with
-    REDIS_URL: each pass also keeps the route table in Redis there."""
-    return not settings.REDIS_URL and reconciler.schedule.quiet()
+def _nothing_to_do(reconciler: Reconciler, last_pass: float) -> bool:
+    """A pass now would visit nothing and see no change (PassSchedule.quiet), and with
+    REDIS_URL, the last one (which also keeps the route table in Redis) began less than
+    ROUTE_TABLE_LOOK_SECONDS ago and wrote the table there if it had to (after a failed
+    write every pass tries again, as before)."""
+    if not reconciler.schedule.quiet():
+        return False
+    return not settings.REDIS_URL or (
+        not routes.redis_behind and time.monotonic() - last_pass < ROUTE_TABLE_LOOK_SECONDS)
 
 
 async def _wait_for_next(stop: asyncio.Event, interval: float) -> None:

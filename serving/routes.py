@@ -195,6 +195,11 @@ class RouteStore:
             self._write_to_redis(table, redis_url, changed)
         return changed
 
+    @property
+    def redis_behind(self) -> bool:
+        """The last write of the table to Redis failed (the next pass tries again)."""
+        return self._redis_behind
+
     def keep_in_redis(self, redis_url: str | None) -> None:
         """Between rebuilds: put the current table back in Redis when it lost it or the
         last write failed (one EXISTS when all is well)."""

@@ -157,23 +157,13 @@ def test_a_new_process_routes_from_the_last_pass_before_its_first_pass() -> None
         assert endpoint.requests == probes
 
 
-@pytest.mark.sqlite_file
-@pytest.mark.django_db(transaction=True)  # the passes run on threads of their own
-def test_a_pass_with_nothing_to_do_is_skipped_and_a_change_made_elsewhere_still_acted_on(
-        settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On SQLite a settled fleet's passes are not run at all (no thread, no query) while
-    only this process's usage writer commits; a change committed by another process (no
-    wake-up here, only its audit event in the database) is acted on at the next beat."""
+def settled_passes_counted(settings: Any, monkeypatch: pytest.MonkeyPatch
+                           ) -> tuple[list[float], list[float]]:
+    """No probe or full pass falls due during the test and no change asks for a pass;
+    when each pass ran, and each beat of the loop (a pass run or skipped), are noted."""
     from controlplane import liveness, services
-    from controlplane.models import Deployment, Replica
-    from serving.sqlite_commits import counter
-    from serving.usage import Usage, write_batch
-    from tests.endpoints import stand_in_endpoint
-    from tests.factories import make_backend
 
-    assert counter() is not None, "the test database is not a SQLite file"
-    settings.REDIS_URL = ""
-    settings.HEALTH_CHECK_SECONDS = 3600  # no probe falls due during the test
+    settings.HEALTH_CHECK_SECONDS = 3600
     settings.RECONCILE_RESYNC_SECONDS = 3600
     monkeypatch.setattr(services, "request_reconcile", lambda: None)  # as elsewhere
     passes: list[float] = []
@@ -190,6 +180,26 @@ def test_a_pass_with_nothing_to_do_is_skipped_and_a_change_made_elsewhere_still_
 
     monkeypatch.setattr(controllers, "_one_pass", counted_pass)
     monkeypatch.setattr(liveness.heartbeat, "beat", counted_beat)
+    return passes, beats
+
+
+@pytest.mark.sqlite_file
+@pytest.mark.django_db(transaction=True)  # the passes run on threads of their own
+def test_a_pass_with_nothing_to_do_is_skipped_and_a_change_made_elsewhere_still_acted_on(
+        settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On SQLite a settled fleet's passes are not run at all (no thread, no query) while
+    only this process's usage writer commits; a change committed by another process (no
+    wake-up here, only its audit event in the database) is acted on at the next beat."""
+    from controlplane import services
+    from controlplane.models import Deployment, Replica
+    from serving.sqlite_commits import counter
+    from serving.usage import Usage, write_batch
+    from tests.endpoints import stand_in_endpoint
+    from tests.factories import make_backend
+
+    assert counter() is not None, "the test database is not a SQLite file"
+    settings.REDIS_URL = ""
+    passes, beats = settled_passes_counted(settings, monkeypatch)
 
     def replicas() -> list[str]:
         return sorted(Replica.objects.filter(phase=Replica.Phase.READY)
@@ -232,3 +242,76 @@ def test_a_pass_with_nothing_to_do_is_skipped_and_a_change_made_elsewhere_still_
         edge, _ = (make_deployment(name, replicas=1, backend=make_backend(
             name, "external", {"url": endpoint.url})) for name in ("edge", "other"))
         asyncio.run(scenario(edge))
+
+
+@pytest.mark.sqlite_file
+@pytest.mark.django_db(transaction=True)  # the passes run on threads of their own
+def test_with_redis_a_quiet_fleet_passes_only_to_keep_the_route_table_there(
+        settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With REDIS_URL a settled fleet's passes are skipped too, but for one every
+    ROUTE_TABLE_LOOK_SECONDS, which puts the route table back in Redis when Redis has
+    lost it (a restart without persistence)."""
+    import redis
+
+    from serving.routes import REDIS_KEY, routes
+    from serving.sqlite_commits import counter
+    from tests.endpoints import stand_in_endpoint
+    from tests.factories import make_backend
+    from tests.services import private_redis
+
+    assert counter() is not None, "the test database is not a SQLite file"
+    monkeypatch.setattr(controllers, "ROUTE_TABLE_LOOK_SECONDS", 0.5)
+    passes, beats = settled_passes_counted(settings, monkeypatch)
+
+    async def scenario(client: redis.Redis) -> None:
+        stop = asyncio.Event()
+        running = asyncio.get_running_loop().create_task(
+            controllers._reconcile_loop(Reconciler(), stop, 0.05))
+        try:
+            async with asyncio.timeout(20):  # the first passes: the replica ready, routed
+                while not (await asyncio.to_thread(client.exists, REDIS_KEY)
+                           and (found := routes.table.routes_for("edge")) is not None
+                           and found.replicas):
+                    await asyncio.sleep(0.02)
+            settled_at, ran = time.monotonic(), len(passes)
+            async with asyncio.timeout(20):
+                while time.monotonic() < settled_at + 2.0:
+                    await asyncio.sleep(0.05)
+            quiet_passes = len(passes) - ran
+            quiet_beats = len([b for b in beats if b > settled_at])
+            # About one pass a half second, where every beat (each 0.05 s) ran one before.
+            assert 2 <= quiet_passes <= 6 < quiet_beats, (quiet_passes, quiet_beats)
+            await asyncio.to_thread(client.delete, REDIS_KEY)  # Redis lost it
+            lost_at = time.monotonic()
+            async with asyncio.timeout(20):
+                while not await asyncio.to_thread(client.exists, REDIS_KEY):
+                    await asyncio.sleep(0.02)
+            assert time.monotonic() - lost_at < 0.5 + 1.0  # a look, with room for a pass
+            server.stop()  # Redis away: the next look fails, and every pass looks again
+            async with asyncio.timeout(20):
+                while not routes.redis_behind:
+                    await asyncio.sleep(0.02)
+            behind_at, ran = time.monotonic(), len(passes)
+            async with asyncio.timeout(20):
+                while time.monotonic() < behind_at + 0.5:
+                    await asyncio.sleep(0.05)
+            assert len(passes) - ran >= 5  # a beat each 0.05 s, each a pass
+            server.start()  # back, empty: the table is written at the next pass
+            back_at = time.monotonic()
+            async with asyncio.timeout(20):
+                while not await asyncio.to_thread(client.exists, REDIS_KEY):
+                    await asyncio.sleep(0.02)
+            assert time.monotonic() - back_at < 1.0 and not routes.redis_behind
+        finally:
+            stop.set()
+            await running
+
+    with private_redis() as server, stand_in_endpoint() as endpoint:
+        settings.REDIS_URL = server.url
+        make_deployment("edge", replicas=1, backend=make_backend(
+            "edge", "external", {"url": endpoint.url}))
+        client = redis.Redis.from_url(server.url)
+        try:
+            asyncio.run(scenario(client))
+        finally:
+            client.close()
