@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from serving.upstream.eager import Unfinished
-from serving.upstream.pipe import PIPED_READ_MAX, SIZE_LINES, Pipe, one_chunk
+from serving.upstream.pipe import PIPED_READ_MAX, SIZE_LINES, Pipe
 
 if TYPE_CHECKING:
     from serving.upstream.pool import ConnectionPool
@@ -143,24 +143,13 @@ class Connection(asyncio.Protocol):
             pipe.found += data.count(pipe.counted)
             return
         # (A piped read is never an answer's first: the pipe waits for its head parsed.)
-        first, self.received = not self.received, True
+        self.received = True
         parser = self.parser
         if parser is None:  # bytes nobody asked for: the connection cannot be trusted
             self.abort()
             return
-        rest, split = b"", False
-        if first:  # the head alone first: the parser is then between chunks, if chunked
-            end = data.find(b"\r\n\r\n")
-            if end >= 0 and data.count(b"\n", 0, end) == data.count(b"\r\n", 0, end):
-                data, rest, split = data[:end + 4], data[end + 4:], True
         try:
-            parser.feed_data(data)
-            if not split and self.between_chunks:  # left between chunks by one chunk only
-                self.between_chunks = one_chunk(data)
-            if rest:
-                parser.feed_data(rest)
-                if self.between_chunks:
-                    self.between_chunks = one_chunk(rest)
+            parser.feed_data(data)  # (its chunk callbacks keep `between_chunks` true)
         except httptools.HttpParserError as exc:
             self.fail(UpstreamError(f"malformed answer from the replica: {exc}"))
             self.abort()
@@ -208,7 +197,7 @@ class Connection(asyncio.Protocol):
         chunked = "chunked" in headers.get("transfer-encoding", "")
         self.length_known = "content-length" in headers or chunked
         status = self.parser.get_status_code()
-        # A chunked body is next (the parser between chunks, if it was fed the head alone).
+        # A chunked body is next: the parser is between chunks until its first size line.
         self.between_chunks = chunked and status >= 200 and status not in (204, 304)
         if self.head is not None and not self.head.done():
             self.head.set_result(Response(self, status, headers))
@@ -222,6 +211,15 @@ class Connection(asyncio.Protocol):
             self.pause()
         if self.sink is None:  # a sink is handed the body once the read is parsed
             self.wake()
+
+    def on_chunk_header(self) -> None:
+        """A chunk's size line is parsed: the parser is inside the chunk (httptools)."""
+        self.between_chunks = False
+
+    def on_chunk_complete(self) -> None:
+        """A chunk and its CRLF are parsed: the next byte starts a size line (httptools).
+        Wherever a read ended, the pipe may take the next one that is a whole chunk."""
+        self.between_chunks = True
 
     def on_message_complete(self) -> None:
         """The answer ended."""

@@ -64,15 +64,3 @@ class Pipe:
         self.chunks = self.found = 0
         return counts
 
-
-def one_chunk(data: bytes) -> bool:
-    """Whether `data` is exactly one whole chunk, not the last: a size line of plain hex
-    digits (no extension), that many bytes, CRLF."""
-    line_end = data.find(b"\r\n", 0, SIZE_LINE)
-    if line_end <= 0:
-        return False
-    size_line = data[:line_end]
-    if size_line.strip(HEX_DIGITS):  # not only hex digits
-        return False
-    size = int(size_line, 16)
-    return size > 0 and len(data) == line_end + 4 + size and data.endswith(b"\r\n")
