@@ -149,7 +149,7 @@ class Connection(asyncio.Protocol):
             self.abort()
             return
         try:
-            parser.feed_data(data)  # (its chunk callbacks keep `between_chunks` true)
+            parser.feed_data(data)  # (its chunk callbacks keep `between_chunks` current)
         except httptools.HttpParserError as exc:
             self.fail(UpstreamError(f"malformed answer from the replica: {exc}"))
             self.abort()

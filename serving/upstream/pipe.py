@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-HEX_DIGITS = b"0123456789abcdefABCDEF"
-SIZE_LINE = 18  # bytes a chunk's size line may take: 16 hex digits and CRLF
 # The longest read that may be piped (an SSE event is some hundreds of bytes; a longer
 # read is parsed).
 PIPED_READ_MAX = 8192

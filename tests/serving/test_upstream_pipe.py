@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from serving.upstream import ConnectionPool, Pipe, UpstreamError
-from serving.upstream.pipe import HEX_DIGITS, NO_SIZE_LINE, PIPED_READ_MAX, SIZE_LINE, SIZE_LINES
+from serving.upstream.pipe import NO_SIZE_LINE, PIPED_READ_MAX, SIZE_LINES
 from tests.serving.test_upstream import RawServer, server  # noqa: F401 (the fixture)
 
 HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -30,6 +30,10 @@ class Written:
 
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+HEX_DIGITS = b"0123456789abcdefABCDEF"
+SIZE_LINE = 18  # bytes a chunk's size line may take: 16 hex digits and CRLF
 
 
 def one_chunk(data: bytes) -> bool:
