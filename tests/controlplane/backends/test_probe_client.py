@@ -17,16 +17,22 @@ from controlplane.backends.probe_client import MAX_ANSWER_BYTES, ProbeClient, Pr
 from tests.processes import wait_until
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+# The path every probe here asks for. A connection whose request asks for another is not
+# this test's (a process or thread left from an earlier test, probing an endpoint that
+# had the same port): it is neither counted nor answered.
+PATH = "/probe-client-test"
 
 
 class RawEndpoint:
-    """Accepts connections and hands each to `serve` on a thread of its own."""
+    """Accepts connections and hands each to `serve` on a thread of its own; counts
+    the connections and requests that ask for PATH."""
 
     def __init__(self, serve: Callable[[socket.socket], None]) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.serve = serve
-        self.accepted = 0
+        self.connections = 0
         self.requests = 0
+        self.counted: set[int] = set()
         self.open: list[socket.socket] = []
         threading.Thread(target=self.accept, daemon=True).start()
 
@@ -40,12 +46,12 @@ class RawEndpoint:
                 connection, _ = self.listener.accept()
             except OSError:
                 return
-            self.accepted += 1
             self.open.append(connection)
             threading.Thread(target=self.serve, args=(connection,), daemon=True).start()
 
     def read_request(self, connection: socket.socket) -> bool:
-        """One request's head read; False when the client closed the connection."""
+        """One request's head read; False when the client closed the connection or
+        asked for another path than PATH."""
         data = b""
         while b"\r\n\r\n" not in data:
             try:
@@ -55,6 +61,11 @@ class RawEndpoint:
             if not chunk:
                 return False
             data += chunk
+        if data.split(b" ", 2)[1:2] != [PATH.encode()]:
+            return False
+        if id(connection) not in self.counted:
+            self.counted.add(id(connection))
+            self.connections += 1
         self.requests += 1
         return True
 
@@ -94,15 +105,15 @@ def test_a_kept_connection_serves_the_next_probes_and_one_closed_meanwhile_is_re
 
     client = ProbeClient()
     with raw_endpoint(serve) as endpoint:
-        assert [client.status(endpoint.url, "/v1/models") for _ in range(3)] == [200] * 3
-        assert endpoint.accepted == 1  # one connection for the three probes
+        assert [client.status(endpoint.url, PATH) for _ in range(3)] == [200] * 3
+        assert endpoint.connections == 1  # one connection for the three probes
         closing.set()
-        assert client.status(endpoint.url, "/v1/models") == 200
+        assert client.status(endpoint.url, PATH) == 200
         wait_until("the endpoint closed the kept connection",
                    lambda: endpoint.open[0].fileno() == -1, 5, 0.02)
         # The next probe finds it closed, opens another and is answered: no failed probe.
-        assert client.status(endpoint.url, "/v1/models") == 200
-        assert endpoint.accepted == 2 and endpoint.requests == 5
+        assert client.status(endpoint.url, PATH) == 200
+        assert endpoint.connections == 2 and endpoint.requests == 5
     client.close()
 
 
@@ -120,9 +131,9 @@ def test_an_endpoint_that_closes_a_kept_connection_as_the_probe_is_sent_is_asked
 
     client = ProbeClient()
     with raw_endpoint(serve) as endpoint:
-        assert client.status(endpoint.url, "/v1/models") == 200
-        assert client.status(endpoint.url, "/v1/models") == 200
-        assert endpoint.accepted == 2 and endpoint.requests == 3
+        assert client.status(endpoint.url, PATH) == 200
+        assert client.status(endpoint.url, PATH) == 200
+        assert endpoint.connections == 2 and endpoint.requests == 3
     client.close()
 
 
@@ -144,7 +155,7 @@ def test_an_answer_that_drips_fails_as_timed_out_within_the_probes_own_timeout()
     with raw_endpoint(serve) as endpoint:
         started = time.monotonic()
         with pytest.raises(ProbeFailed) as failed:
-            client.status(endpoint.url, "/v1/models", timeout=0.5)
+            client.status(endpoint.url, PATH, timeout=0.5)
         assert failed.value.kind == "Timeout"
         assert 0.45 < time.monotonic() - started < 1.5
 
@@ -167,10 +178,10 @@ def test_chunked_and_oversized_answers_give_their_status_and_only_a_whole_one_is
 
     client = ProbeClient()
     with raw_endpoint(serve) as endpoint:
-        assert client.status(endpoint.url, "/v1/models") == 200  # chunked, kept
-        assert client.status(endpoint.url, "/v1/models") == 503  # too long to read: closed
-        assert client.status(endpoint.url, "/v1/models") == 200
-        assert endpoint.accepted == 2
+        assert client.status(endpoint.url, PATH) == 200  # chunked, kept
+        assert client.status(endpoint.url, PATH) == 503  # too long to read: closed
+        assert client.status(endpoint.url, PATH) == 200
+        assert endpoint.connections == 2
     client.close()
 
 
@@ -187,7 +198,7 @@ def test_an_answer_head_that_never_ends_fails_the_probe_after_a_bounded_read() -
     client = ProbeClient()
     with raw_endpoint(serve) as endpoint:
         with pytest.raises(ProbeFailed) as endless:
-            client.status(endpoint.url, "/v1/models")
+            client.status(endpoint.url, PATH)
         assert endless.value.kind == "ProtocolError"
         assert "head" in str(endless.value)
 
@@ -203,7 +214,7 @@ def test_a_tls_handshake_is_bounded_by_the_timeout_with_descriptors_past_1024() 
         client = ProbeClient()
         started = time.monotonic()
         with pytest.raises(ProbeFailed) as timed_out:
-            client.status(f"https://127.0.0.1:{silent.getsockname()[1]}", "/v1/models",
+            client.status(f"https://127.0.0.1:{silent.getsockname()[1]}", PATH,
                           timeout=0.5)
         assert timed_out.value.kind == "Timeout"
         assert 0.45 < time.monotonic() - started < 1.5
@@ -214,7 +225,7 @@ def test_a_tls_handshake_is_bounded_by_the_timeout_with_descriptors_past_1024() 
 
         with raw_endpoint(plain) as endpoint:
             with pytest.raises(ProbeFailed) as not_tls:
-                client.status(endpoint.url.replace("http:", "https:"), "/v1/models")
+                client.status(endpoint.url.replace("http:", "https:"), PATH)
             assert not_tls.value.kind == "ConnectError"
     finally:
         silent.close()
@@ -230,15 +241,15 @@ def test_a_malformed_answer_or_a_header_with_a_line_break_is_a_protocol_error() 
     client = ProbeClient()
     with raw_endpoint(serve) as endpoint:
         with pytest.raises(ProbeFailed) as malformed:
-            client.status(endpoint.url, "/v1/models")
+            client.status(endpoint.url, PATH)
         assert malformed.value.kind == "ProtocolError"
         with pytest.raises(ProbeFailed) as injected:
-            client.status(endpoint.url, "/v1/models",
+            client.status(endpoint.url, PATH,
                           (("Authorization", "Bearer k\r\nX-Other: 1"),))
         assert injected.value.kind == "ProtocolError"
         assert endpoint.requests == 1  # the second was never sent
     with pytest.raises(ProbeFailed) as not_http:
-        client.status("ftp://127.0.0.1:1", "/v1/models")
+        client.status("ftp://127.0.0.1:1", PATH)
     assert not_http.value.kind == "ProtocolError"
 
 
@@ -256,7 +267,7 @@ def test_probes_run_on_the_calling_thread_and_start_none(
     with raw_endpoint(keep_alive) as endpoint:
         monkeypatch.setattr(threading.Thread, "start", recorded)
         client = ProbeClient()
-        assert [client.status(endpoint.url, "/v1/models") for _ in range(2)] == [200, 200]
+        assert [client.status(endpoint.url, PATH) for _ in range(2)] == [200, 200]
         monkeypatch.undo()
         assert started == []
     client.close()
