@@ -17,6 +17,10 @@ fake deployments beside it for the three-deployment case.
 With `--compare-with PATH` (another checkout of the project, same .venv) that checkout's
 server runs beside this one and both are measured over the same windows.
 
+With `--redis` each plane is given `REDIS_URL` (its own database of one private
+`redis-server` started for the run; still SQLite): the route table, limits and
+revocations in Redis, as a gateway with workers or apart from its controllers has them.
+
 With `--relay` (or `--relay-only`) it also measures whether the controllers' threads hurt
 the relay: two planes, each with one fake replica (10 ms/token) and the same private
 `redis-server`: `serve` (embedded) and `serve --no-controllers` with `run_controllers` in a
@@ -25,7 +29,7 @@ layout (taking turns going first), in interleaved rounds: added TTFT p50/p99 and
 relayed event of the gateway process.
 
     .venv/bin/python bench/idle_cpu.py [--seconds 60] [--vllm] [--compare-with PATH]
-                                       [--relay | --relay-only] [--relay-rounds 4]
+                                       [--redis] [--relay | --relay-only] [--relay-rounds 4]
 
 The last line is the worst idle figure against the target (under 3% of one core).
 """
@@ -240,15 +244,23 @@ def report(label: str, planes: dict[str, Plane], seconds: float) -> dict[str, fl
 def idle_cases(options: argparse.Namespace) -> list[tuple[str, float]]:
     """One plane (this checkout), or with --compare-with two side by side, measured over
     the same windows: one deployment, then three."""
+    from tests.services import PrivateRedis
+
     roots = {"this": ROOT}
     if options.compare_with:
         roots["other"] = Path(options.compare_with).resolve()
     planes: dict[str, Plane] = {}
     figures = []
+    redis = None
+    if options.redis:
+        redis = PrivateRedis(free_port(), Path(tempfile.mkdtemp(prefix="idle-cpu-redis-")))
+        redis.start()
     try:
-        for name, root in roots.items():
+        for index, (name, root) in enumerate(roots.items()):
             folder = Path(tempfile.mkdtemp(prefix="idle-cpu-bench-"))
-            planes[name] = start_plane(folder, vllm=options.vllm, root=root)
+            extra = {"REDIS_URL": f"redis://127.0.0.1:{redis.port}/{index + 1}"} if redis else {}
+            env = prepared_env(folder, vllm=options.vllm, root=root, **extra)
+            planes[name] = start_plane(folder, vllm=options.vllm, env=env, root=root)
         first = ["smollm2"] if options.vllm else ["idle-1"]
         for plane in planes.values():
             if not options.vllm:
@@ -256,6 +268,7 @@ def idle_cases(options: argparse.Namespace) -> list[tuple[str, float]]:
         for plane in planes.values():
             wait_ready(plane, first, 600 if options.vllm else 120)
         kind = "the demo deployment (real vLLM)" if options.vllm else "1 fake deployment"
+        kind += ", REDIS_URL" if redis else ""
         measured = report(f"idle, {kind}", planes, options.seconds)
         figures.append((kind, measured["this"]))
         more = ["idle-2", "idle-3"]
@@ -265,11 +278,14 @@ def idle_cases(options: argparse.Namespace) -> list[tuple[str, float]]:
         for plane in planes.values():
             wait_ready(plane, [*first, *more], 120)
         label = f"3 deployments ({kind} + 2 fake)" if options.vllm else "3 fake deployments"
+        label += ", REDIS_URL" if redis and not options.vllm else ""
         measured = report(f"idle, {label}", planes, options.seconds)
         figures.append((label, measured["this"]))
     finally:
         for plane in planes.values():
             plane.stop()
+        if redis:
+            redis.stop()
     return figures
 
 
@@ -347,6 +363,8 @@ def main() -> None:
     parser.add_argument("--relay-rounds", type=int, default=4)
     parser.add_argument("--relay-streams", type=int, default=128)
     parser.add_argument("--relay-only", action="store_true", help="skip the idle cases")
+    parser.add_argument("--redis", action="store_true", help="give each plane REDIS_URL "
+                        "(a private redis-server's database) for the idle cases")
     parser.add_argument("--compare-with", metavar="PATH", help="another checkout of the "
                         "project, idle beside this one over the same windows")
     options = parser.parse_args()
