@@ -62,7 +62,7 @@ class _Answer:
         self.head = False
         self.complete = False
         self.keep_alive = False
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser: httptools.HttpResponseParser | None = None
 
     def on_headers_complete(self) -> None:
         self.head = True
@@ -70,7 +70,7 @@ class _Answer:
     def on_message_complete(self) -> None:
         self.complete = True
         # Asked now: the parser forgets it once the message is over.
-        self.keep_alive = self.parser.should_keep_alive()
+        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
 
 
 class ProbeClient:
@@ -163,7 +163,7 @@ class ProbeClient:
         """Send the request, read the answer; the connection is kept for the next probe
         when the answer was whole and the endpoint keeps it alive, else closed."""
         answer = _Answer()
-        parser = answer.parser
+        parser = answer.parser = httptools.HttpResponseParser(answer)
         received = False
         keep = False
         try:
@@ -199,6 +199,9 @@ class ProbeClient:
                 raise _ClosedFirst from None
             raise ProbeFailed("ProtocolError", f"the connection failed: {exc}") from None
         finally:
+            # The parser holds the answer (its callbacks) and the answer the parser: let
+            # go of one, so both are freed now, not left for the cycle collector.
+            answer.parser = None
             if keep:
                 self.put_back(endpoint, sock)
             else:
