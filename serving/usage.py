@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -174,7 +175,10 @@ def write_batch(batch: list[Usage]) -> int:
     from serving.sqlite_commits import eventless_transaction
 
     close_old_connections()
-    rows = [_row(u, connection) for u in batch]
+    # Looked up once: `connection` is a proxy reaching the thread's connection through
+    # asgiref's Local (a few microseconds a lookup), and a batch holds a second's records.
+    adapt = connection.ops.adapt_datetimefield_value
+    rows = [_row(u, adapt) for u in batch]
     try:
         try:
             with eventless_transaction(), connection.cursor() as cursor:
@@ -258,11 +262,11 @@ def _insert(cursor: Any, connection: Any, rows: list[tuple[Any, ...]]) -> set[st
     return {record_id for (record_id,) in cursor.fetchall()}
 
 
-def _row(u: Usage, connection: Any) -> tuple[Any, ...]:
+def _row(u: Usage, adapt: Callable[[datetime], Any]) -> tuple[Any, ...]:
     """Plain values, not a model instance: this runs in a thread beside the relay, and
-    every microsecond it holds the interpreter is one the relay waits."""
-    at = connection.ops.adapt_datetimefield_value
-    return (at(datetime.fromtimestamp(u.at, UTC)), u.request_id, u.key_id, u.model,
+    every microsecond it holds the interpreter is one the relay waits. `adapt` is the
+    connection's adapt_datetimefield_value."""
+    return (adapt(datetime.fromtimestamp(u.at, UTC)), u.request_id, u.key_id, u.model,
             u.deployment, u.replica, u.status, u.stream, u.prompt_tokens,
             u.completion_tokens, u.queue_ms, u.ttft_ms, u.itl_ms, u.e2e_ms, u.username,
             u.record_id)
