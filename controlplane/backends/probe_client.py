@@ -9,21 +9,27 @@ the probes' share of the gateway's CPU per event). A general client's pool does 
 to a fleet's endpoints either (httpx's looks at every connection it holds on every
 request); this one looks up its connections by endpoint (host, port, TLS).
 
-Each probe is bounded by its timeout from its start to its end: connecting, the TLS
-handshake, sending, and every read wait for what is left of it (a name the resolver takes
-longer to answer than that holds the thread until the resolver gives up; the probe then
-fails as timed out). The answer is parsed by the C parser the gateway uses (httptools);
-its body is read so the connection can serve the next probe, up to MAX_ANSWER_BYTES in
-all (the rest of a longer one is not read: the status is known, the connection is closed;
-a head not ended by then fails the probe)."""
+Each probe is bounded by its timeout from its start to its end: resolving the host's name,
+connecting (to each of its addresses in turn), the TLS handshake, sending, and every read
+wait for what is left of it. A name is resolved on a thread of a small pool of its own
+(the system's resolver cannot be interrupted): one the resolver does not answer in time
+fails the probe as timed out and holds that thread until the resolver gives up, not the
+probe thread; an IP address is used as it is. The answer is parsed by the C parser the
+gateway uses (httptools); its body is read so the connection can serve the next probe, up
+to MAX_ANSWER_BYTES in all (the rest of a longer one is not read: the status is known, the
+connection is closed; a head not ended by then fails the probe)."""
 
 from __future__ import annotations
 
+import ipaddress
 import select
 import socket
 import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import httptools
 
@@ -117,8 +123,11 @@ class ProbeClient:
         """A new connection, TLS negotiated where the URL says https."""
         place = f"{where.host}:{where.port}"
         try:
-            sock = socket.create_connection((where.host, where.port),
-                                            timeout=_left(deadline, timeout))
+            sock = _connect(_addresses(where.host, where.port, deadline, timeout),
+                            deadline, timeout)
+        except _NotResolved:
+            raise ProbeFailed("Timeout", f"{where.host} not resolved within "
+                                         f"{timeout:g} s") from None
         except TimeoutError:
             raise ProbeFailed("Timeout", f"no connection to {place} within "
                                          f"{timeout:g} s") from None
@@ -251,6 +260,54 @@ class ProbeClient:
         for connections in kept.values():
             for sock, _ in connections:
                 sock.close()
+
+
+class _NotResolved(Exception):
+    """The resolver did not answer within the probe's time."""
+
+
+# What socket.getaddrinfo gives for each address: family, type, protocol, name, address.
+Address = tuple[Any, Any, int, str, Any]
+# Threads that resolve host names: a resolver that hangs holds one of them until it gives
+# up (its own timeouts, seconds), never a probe past its timeout.
+_resolvers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="probe-resolve")
+
+
+def _addresses(host: str, port: int, deadline: float, timeout: float) -> list[Address]:
+    """The addresses to connect to: an IP address as it is; a name resolved on a resolver
+    thread, waited for at most what is left of the probe's time (else _NotResolved)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass  # a name, not an address
+    else:
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0,
+                                  socket.AI_NUMERICHOST)
+    lookup = _resolvers.submit(socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM)
+    try:
+        return lookup.result(timeout=_left(deadline, timeout))
+    except (TimeoutError, FutureTimeout):
+        lookup.cancel()  # not started yet: never started
+        raise _NotResolved from None
+
+
+def _connect(addresses: list[Address], deadline: float, timeout: float) -> socket.socket:
+    """A connection to the first of `addresses` that takes one, each try waiting at most
+    what is left of the probe's time; the last failure if none does."""
+    failure: OSError = OSError("no address")
+    for family, kind, proto, _, address in addresses:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(_left(deadline, timeout))
+            sock.connect(address)
+            return sock
+        except TimeoutError:
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            failure = exc
+    raise failure
 
 
 def _ready(sock: socket.socket, events: int, wait: float) -> bool:

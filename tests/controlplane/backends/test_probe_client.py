@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -302,3 +303,60 @@ def test_a_probe_leaves_no_garbage_for_the_cycle_collector() -> None:
             gc.garbage.clear()
         assert left == []
     client.close()
+
+
+def test_a_name_the_resolver_does_not_answer_fails_the_probe_within_its_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The system's resolver cannot be interrupted: a name it sits on fails the probe
+    as timed out when the probe's time is up, the lookup left on a resolver thread."""
+    answering = threading.Event()
+    resolve = socket.getaddrinfo
+
+    def stuck(host: str, *args: Any, **options: Any) -> Any:
+        if host == "stuck.example":
+            answering.wait(10)  # as a resolver whose servers do not answer
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return resolve(host, *args, **options)
+
+    monkeypatch.setattr(socket, "getaddrinfo", stuck)
+    client = ProbeClient()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ProbeFailed) as timed_out:
+            client.status("http://stuck.example:8000", PATH, timeout=0.5)
+        assert timed_out.value.kind == "Timeout"
+        assert "stuck.example not resolved within 0.5 s" in str(timed_out.value)
+        assert 0.45 < time.monotonic() - started < 1.5
+    finally:
+        answering.set()
+    client.close()
+
+
+def test_a_name_is_resolved_and_each_of_its_addresses_tried_in_turn(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name whose first address refuses (a port nothing listens on) is reached at the
+    next; a name that does not resolve fails as a connection error that says so."""
+    refused = socket.create_server(("127.0.0.1", 0))
+    nobody = refused.getsockname()[1]
+    refused.close()
+    with raw_endpoint(keep_alive) as endpoint:
+        port = int(endpoint.url.rsplit(":", 1)[1])
+        resolve = socket.getaddrinfo
+
+        def two(host: str, *args: Any, **options: Any) -> Any:
+            if host == "two.example":
+                return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", nobody)),
+                        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+            if host == "none.example":
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+            return resolve(host, *args, **options)
+
+        monkeypatch.setattr(socket, "getaddrinfo", two)
+        client = ProbeClient()
+        assert client.status("http://two.example:1", PATH) == 200
+        assert endpoint.requests == 1
+        with pytest.raises(ProbeFailed) as unknown:
+            client.status("http://none.example:1", PATH)
+        assert unknown.value.kind == "ConnectError"
+        assert "Name or service not known" in str(unknown.value)
+        client.close()
