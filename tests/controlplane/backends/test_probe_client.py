@@ -32,11 +32,14 @@ class RawEndpoint:
     def __init__(self, serve: Callable[[socket.socket], None]) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.serve = serve
-        self.connections = 0
         self.requests = 0
-        self.counted: set[int] = set()
-        self.open: list[socket.socket] = []
+        self.open: list[socket.socket] = []  # every connection accepted
+        self.ours: list[socket.socket] = []  # those that asked for PATH
         threading.Thread(target=self.accept, daemon=True).start()
+
+    @property
+    def connections(self) -> int:
+        return len(self.ours)
 
     @property
     def url(self) -> str:
@@ -65,9 +68,8 @@ class RawEndpoint:
             data += chunk
         if data.split(b" ", 2)[1:2] != [PATH.encode()]:
             return False
-        if id(connection) not in self.counted:
-            self.counted.add(id(connection))
-            self.connections += 1
+        if connection not in self.ours:
+            self.ours.append(connection)
         self.requests += 1
         return True
 
@@ -112,7 +114,7 @@ def test_a_kept_connection_serves_the_next_probes_and_one_closed_meanwhile_is_re
         closing.set()
         assert client.status(endpoint.url, PATH) == 200
         wait_until("the endpoint closed the kept connection",
-                   lambda: endpoint.open[0].fileno() == -1, 5, 0.02)
+                   lambda: endpoint.ours[0].fileno() == -1, 5, 0.02)
         # The next probe finds it closed, opens another and is answered: no failed probe.
         assert client.status(endpoint.url, PATH) == 200
         assert endpoint.connections == 2 and endpoint.requests == 5
