@@ -267,10 +267,10 @@ def idle_cases(options: argparse.Namespace) -> list[tuple[str, float]]:
                 add_fake_deployment(plane, "idle-1")
         for plane in planes.values():
             wait_ready(plane, first, 600 if options.vllm else 120)
+        with_redis = ", REDIS_URL" if redis else ""
         kind = "the demo deployment (real vLLM)" if options.vllm else "1 fake deployment"
-        kind += ", REDIS_URL" if redis else ""
-        measured = report(f"idle, {kind}", planes, options.seconds)
-        figures.append((kind, measured["this"]))
+        measured = report(f"idle, {kind}{with_redis}", planes, options.seconds)
+        figures.append((kind + with_redis, measured["this"]))
         more = ["idle-2", "idle-3"]
         for plane in planes.values():
             for name in more:
@@ -278,7 +278,7 @@ def idle_cases(options: argparse.Namespace) -> list[tuple[str, float]]:
         for plane in planes.values():
             wait_ready(plane, [*first, *more], 120)
         label = f"3 deployments ({kind} + 2 fake)" if options.vllm else "3 fake deployments"
-        label += ", REDIS_URL" if redis and not options.vllm else ""
+        label += with_redis
         measured = report(f"idle, {label}", planes, options.seconds)
         figures.append((label, measured["this"]))
     finally:

@@ -42,8 +42,12 @@ class RawEndpoint:
         return len(self.ours)
 
     @property
+    def port(self) -> int:
+        return int(self.listener.getsockname()[1])
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        return f"http://127.0.0.1:{self.port}"
 
     def accept(self) -> None:
         while True:
@@ -342,13 +346,12 @@ def test_a_name_is_resolved_and_each_of_its_addresses_tried_in_turn(
     nobody = refused.getsockname()[1]
     refused.close()
     with raw_endpoint(keep_alive) as endpoint:
-        port = int(endpoint.url.rsplit(":", 1)[1])
         resolve = socket.getaddrinfo
 
         def two(host: str, *args: Any, **options: Any) -> Any:
             if host == "two.example":
                 return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", nobody)),
-                        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+                        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", endpoint.port))]
             if host == "none.example":
                 raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
             return resolve(host, *args, **options)
