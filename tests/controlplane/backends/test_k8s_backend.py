@@ -7,7 +7,9 @@ made for the deployment and nothing else."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import kmock
@@ -15,7 +17,7 @@ import pytest
 
 from controlplane.backends.k8s_manifests import ROLE_LABEL
 from controlplane.models import AuditEvent, Deployment, Replica
-from controlplane.reconciler import Reconciler
+from controlplane.reconciler import Reconciler, pod_sets
 from controlplane.routing import current_pools
 from tests.controlplane.k8s_support import (
     backend_of,
@@ -178,7 +180,16 @@ def test_pod_troubles_show_on_the_replica_and_the_deployment(
 ])
 def test_api_errors_show_back_off_and_converge(make: Callable[..., Deployment],
                                                emulated: EmulatedCluster, status: int,
-                                               reason: str, message: str) -> None:
+                                               reason: str, message: str, settings: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The backoff's clock moves only when the test says: "within the backoff" holds
+    # however slowly the machine runs the passes.
+    skipped = [0.0]
+    monkeypatch.setattr(pod_sets, "time", SimpleNamespace(
+        monotonic=lambda: time.monotonic() + skipped[0]))
+    settings.RESTART_BACKOFF_BASE_SECONDS = 60
+    settings.RESTART_BACKOFF_MAX_SECONDS = 120
+
     def refuse_twice() -> None:
         assert emulated.emulator is not None
         emulated.emulator["patch", kmock.resource("apps/v1/deployments")][:2] << status << {
@@ -200,6 +211,7 @@ def test_api_errors_show_back_off_and_converge(make: Callable[..., Deployment],
     assert emulated.call(lambda: len(emulated.emulator["patch"])) == 2  # type: ignore[index]
 
     def applied() -> bool:
+        skipped[0] += 121  # the next pass comes after the backoff, however long it is
         deployment.refresh_from_db()
         return (deployment.condition("Degraded") or {}).get("status") == "False"
 
