@@ -59,6 +59,15 @@ def wait_healthy(url: str, timeout: float,
     raise RuntimeError(f"{url} did not become healthy in {timeout:.0f} s")
 
 
+# What each server started by start_server has printed so far, by process id.
+_OUTPUT: dict[int, list[str]] = {}
+
+
+def server_output(process: subprocess.Popen[str], last: int = 4000) -> str:
+    """The last `last` characters a server started by start_server has printed."""
+    return "".join(_OUTPUT.get(process.pid, []))[-last:]
+
+
 def start_server(env: dict[str, str], port: int,
                  *options: str) -> tuple[subprocess.Popen[str], str]:
     """Start `manage.py serve`; return once /healthz answers, with what it printed."""
@@ -67,6 +76,7 @@ def start_server(env: dict[str, str], port: int,
                                cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
+    _OUTPUT[process.pid] = lines
     # Read everything it prints, so a full pipe never blocks the server.
     threading.Thread(target=lambda: lines.extend(process.stdout or []), daemon=True).start()
     deadline = time.monotonic() + 60

@@ -30,6 +30,7 @@ from tests.processes import (
     manage,
     register_fake_model,
     server_env,
+    server_output,
     start_server,
 )
 from tests.services import private_redis
@@ -149,10 +150,19 @@ def test_both_workers_answer_and_every_figure_counts_each_request_once(fleet: Fl
     assert sum(per_worker.values()) == 40, per_worker
     # /metrics, whichever worker answers it, sums both workers.
     assert [requests_total(fleet) - before for _ in range(6)] == [40.0] * 6
-    # Each usage record written once, by the worker that relayed the request.
-    Api(fleet.url, fleet.admin).wait_for("40 usage records", lambda: usage_of(
-        fleet, key_id)[0] >= 40, 15, 0.5)
+    # Each usage record written once, by the worker that relayed the request. The key's
+    # total is written in the same transaction as its records: waited for through the
+    # API (a check a fifth of a second), then the records counted in the database.
+    api = Api(fleet.url, fleet.admin)
+    try:
+        api.wait_for("the key's 40 requests written", lambda: api.get(
+            f"/api/v1/keys/{key_id}/")["requests_total"] >= 40, 60, 0.2)
+    except AssertionError as exc:
+        printed = "".join(line for line in server_output(fleet.server, 10**7).splitlines(
+            keepends=True) if " INFO serving.gateway: " not in line)  # not each request
+        raise AssertionError(f"{exc}\nthe server printed:\n{printed[-4000:]}") from None
     assert usage_of(fleet, key_id) == (40, 40)
+    assert api.get(f"/api/v1/keys/{key_id}/")["requests_total"] == 40
 
 
 def in_flight(fleet: Fleet, deployment: str) -> float:
