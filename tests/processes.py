@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,13 +60,14 @@ def wait_healthy(url: str, timeout: float,
     raise RuntimeError(f"{url} did not become healthy in {timeout:.0f} s")
 
 
-# What each server started by start_server has printed so far, by process id.
-_OUTPUT: dict[int, list[str]] = {}
+# What each server started by start_server has printed so far (kept while its Popen is).
+_OUTPUT: weakref.WeakKeyDictionary[subprocess.Popen[str], list[str]] = (
+    weakref.WeakKeyDictionary())
 
 
 def server_output(process: subprocess.Popen[str], last: int = 4000) -> str:
     """The last `last` characters a server started by start_server has printed."""
-    return "".join(_OUTPUT.get(process.pid, []))[-last:]
+    return "".join(_OUTPUT.get(process, []))[-last:]
 
 
 def start_server(env: dict[str, str], port: int,
@@ -76,7 +78,7 @@ def start_server(env: dict[str, str], port: int,
                                cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
-    _OUTPUT[process.pid] = lines
+    _OUTPUT[process] = lines
     # Read everything it prints, so a full pipe never blocks the server.
     threading.Thread(target=lambda: lines.extend(process.stdout or []), daemon=True).start()
     deadline = time.monotonic() + 60
