@@ -65,9 +65,9 @@ _OUTPUT: weakref.WeakKeyDictionary[subprocess.Popen[str], list[str]] = (
     weakref.WeakKeyDictionary())
 
 
-def server_output(process: subprocess.Popen[str], last: int = 4000) -> str:
-    """The last `last` characters a server started by start_server has printed."""
-    return "".join(_OUTPUT.get(process, []))[-last:]
+def server_output(process: subprocess.Popen[str]) -> str:
+    """What a server started by start_server has printed so far."""
+    return "".join(_OUTPUT.get(process, []))
 
 
 def start_server(env: dict[str, str], port: int,
