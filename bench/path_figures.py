@@ -203,6 +203,15 @@ class Side:
         """The burst's mean length, in ms."""
         return sum(run.burst_seconds for run in self.runs) / max(1, len(self.runs)) * 1e3
 
+    def legs(self, q: float) -> tuple[float, float, float] | None:
+        """Each leg's percentile over every stamped request, in ms: to the engine, in it,
+        and back to the client (None: the engine stamped nothing)."""
+        legs = [leg for run in self.runs for leg in run.legs]
+        if not legs:
+            return None
+        return tuple(Run([leg[i] for leg in legs], 0, 1, 0).p(q)  # type: ignore[return-value]
+                     for i in range(3))
+
     def ttft(self, q: float) -> float:
         """A TTFT percentile over every round, in ms."""
         return Run([t for run in self.runs for t in run.ttfts], 0, 1, 0).p(q)
@@ -287,8 +296,20 @@ def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds
                  f"({side.net_cpu_per_event_us:.1f} net of idle), " if endpoint.pids else "")
               + (f"waited {side.waited_per_event_us:.1f} us/event for a CPU, "
                  if side.waited_per_event_us is not None else "")
+              + legs_text(side)
               + f"burst {side.burst_ms:.1f} ms with the machine {side.burst_cores:.2f} of "
               f"{os.cpu_count()} cores busy, errors {side.errors}", flush=True)
+
+
+def legs_text(side: Side) -> str:
+    """Where the first token's time went, p50 and p90 of each leg, or nothing where the
+    engine stamped no event."""
+    p50, p90 = side.legs(0.5), side.legs(0.9)
+    if p50 is None or p90 is None:
+        return ""
+    return ("legs p50/p90: to engine {:.1f}/{:.1f}, in engine {:.1f}/{:.1f}, back "
+            "{:.1f}/{:.1f} ms, ").format(*(v for pair in zip(p50, p90, strict=True)
+                                                for v in pair))
 
 
 def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: int) -> None:

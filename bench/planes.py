@@ -41,7 +41,7 @@ def start_engine(interval_ms: float, model: str, keep_alive: float = ENGINE_KEEP
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "fakes.engine", "--port", str(port),
                                 "--model", model, "--token-interval-ms", str(interval_ms),
-                                "--keep-alive", str(keep_alive)],
+                                "--keep-alive", str(keep_alive), "--stamp"],
                                cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 30)

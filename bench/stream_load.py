@@ -3,13 +3,17 @@ streamed completions one after another, timing each one's first token and counti
 events received; and each round's burst (from its start until every stream had its first
 token) with how many cores the whole machine kept busy meanwhile (psutil's system-wide
 CPU times), which tells whether a burst's TTFT waits for a full machine or for one busy
-process. Used by bench/gateway_overhead.py and the benchmarks built on it."""
+process. Where the engine stamps each stream's first event (fakes/engine.py --stamp), each
+request's time to first token is split in three legs: from the client's send until the
+engine had the request, in the engine until it sent the first token, and from there until
+the client read it. Used by bench/gateway_overhead.py and the benchmarks built on it."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -24,6 +28,8 @@ class Run:
     # the CPU seconds the whole machine (every process, every core) spent meanwhile.
     burst_seconds: float = 0.0
     burst_busy: float = 0.0
+    # Per request the engine stamped: seconds to the engine, in it, and back to the client.
+    legs: list[tuple[float, float, float]] = field(default_factory=list)
 
     def p(self, q: float) -> float:
         if not self.ttfts:
@@ -42,6 +48,7 @@ async def load(url: str, model: str, streams: int, tokens: int, key: str | None,
     body = {"model": model, "prompt": "Count with me:", "max_tokens": tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}
     ttfts: list[float] = []
+    legs: list[tuple[float, float, float]] = []
     counted = 0
     errors = 0
     firsts = 0  # streams whose first request has had its first token (or failed)
@@ -75,9 +82,14 @@ async def load(url: str, model: str, streams: int, tokens: int, key: str | None,
                             if not line.startswith(b"data: {"):
                                 continue
                             if first is None:
-                                first = time.perf_counter() - started
+                                now = time.perf_counter()
+                                first = now - started
                                 if request == 0:
                                     stream_started()
+                                stamps = STAMPS.search(line)
+                                if stamps:
+                                    arrived, sent = (int(t) / 1e9 for t in stamps.groups())
+                                    legs.append((arrived - started, sent - arrived, now - sent))
                             if b'"choices":[]' not in line:
                                 counted += 1
                 except aiohttp.ClientError:
@@ -93,7 +105,12 @@ async def load(url: str, model: str, streams: int, tokens: int, key: str | None,
         seconds = time.perf_counter() - started
     burst_seconds = burst[0] - started if burst else 0.0
     return Run(ttfts, counted, seconds, errors, burst_seconds,
-               burst[1] - busy if burst else 0.0)
+               burst[1] - busy if burst else 0.0, legs)
+
+
+# A stamped first event's id: when the engine had the request and when it sent the event
+# (time.perf_counter_ns: CLOCK_MONOTONIC, the clock this process's perf_counter reads too).
+STAMPS = re.compile(rb'"id":"fake-(\d+)-(\d+)"')
 
 
 def machine_busy_seconds() -> float:

@@ -11,7 +11,7 @@ it loads `--middleware module.Class` ASGI middleware around itself (the local ba
 engine guard, serving/engine_guard.py, which closes every other path too).
 
     python -m fakes.engine --port 9001 [--token-interval-ms 10] [--model fake] [--api-key K]
-                           [--middleware module.Class]
+                           [--middleware module.Class] [--stamp]
 """
 
 from __future__ import annotations
@@ -72,8 +72,13 @@ class Histogram:
 
 class FakeEngine:
     def __init__(self, model: str, token_interval: float, max_running: int = 256,
-                 api_key: str = "") -> None:
+                 api_key: str = "", stamp: bool = False) -> None:
         self.model = model
+        # Stamp each stream's first event with when its request arrived and when the event
+        # was sent (its id: fake-ARRIVED-SENT, CLOCK_MONOTONIC nanoseconds, the clock every
+        # process on the machine shares): the load client tells from them where a request's
+        # time to first token went, before the engine, in it, or after it.
+        self.stamp = stamp
         self.expected_auth = f"Bearer {api_key}".encode() if api_key else b""
         self.refused = 0  # requests refused for a missing or wrong key
         self.token_interval = token_interval
@@ -135,6 +140,7 @@ class FakeEngine:
                                    self.expected_auth) and scheme.lower() == b"bearer"
 
     async def complete(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+        arrived = time.perf_counter_ns()
         body = await read_body(receive)
         try:
             request = json.loads(body)
@@ -166,7 +172,7 @@ class FakeEngine:
             self.running += 1
             try:
                 if request.get("stream"):
-                    await self.stream(send, receive, request, tokens, chat)
+                    await self.stream(send, receive, request, tokens, chat, arrived)
                 else:
                     await self.whole(send, tokens, chat)
                     self.generated += tokens
@@ -194,7 +200,7 @@ class FakeEngine:
                       "total_tokens": tokens + 5}}).encode())
 
     async def stream(self, send: Send, receive: Receive, request: dict[str, Any], tokens: int,
-                     chat: bool) -> None:
+                     chat: bool, arrived: int = 0) -> None:
         # Like vLLM, stop generating when the client goes away.
         gone = asyncio.Event()
 
@@ -205,12 +211,12 @@ class FakeEngine:
 
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await self._stream(send, gone, request, tokens, chat)
+            await self._stream(send, gone, request, tokens, chat, arrived)
         finally:
             watcher.cancel()
 
     async def _stream(self, send: Send, gone: asyncio.Event, request: dict[str, Any],
-                      tokens: int, chat: bool) -> None:
+                      tokens: int, chat: bool, arrived: int) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         started = time.perf_counter()
@@ -234,7 +240,11 @@ class FakeEngine:
                 event = (b"data: " + prefix + piece[:-1] + b',"usage":' + json.dumps({
                     "prompt_tokens": 5, "total_tokens": index + 6,
                     "completion_tokens": index + 1}).encode() + b"}\n\n")
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+            body = event
+            if index == 0 and self.stamp:
+                body = event.replace(b'"id":"fake-1"', b'"id":"fake-%d-%d"' % (
+                    arrived, time.perf_counter_ns()), 1)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
             self.generated += 1
             now = time.perf_counter()
             if index == 0:
@@ -292,8 +302,10 @@ class PerPort:
     """One fake engine per listening port, in one process: each endpoint has its own
     counters and queues, as separate replicas would."""
 
-    def __init__(self, model: str, token_interval: float, api_key: str = "") -> None:
+    def __init__(self, model: str, token_interval: float, api_key: str = "",
+                 stamp: bool = False) -> None:
         self.model, self.token_interval, self.api_key = model, token_interval, api_key
+        self.stamp = stamp
         self.engines: dict[int, FakeEngine] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -301,7 +313,7 @@ class PerPort:
         engine = self.engines.get(port)
         if engine is None:
             engine = self.engines[port] = FakeEngine(self.model, self.token_interval,
-                                                     api_key=self.api_key)
+                                                     api_key=self.api_key, stamp=self.stamp)
         await engine(scope, receive, send)
 
 
@@ -341,6 +353,10 @@ def main() -> None:
     parser.add_argument("--keep-alive", type=float, default=5.0, metavar="SECONDS",
                         help="close a kept-alive connection idle this long (default 5, "
                              "uvicorn's and vLLM's)")
+    parser.add_argument("--stamp", action="store_true",
+                        help="give each stream's first event the id fake-ARRIVED-SENT: when "
+                             "its request arrived and when the event was sent, in "
+                             "CLOCK_MONOTONIC nanoseconds (for the load client's legs)")
     options = parser.parse_args()
     if options.keep_alive <= 0:
         parser.error("--keep-alive takes a number of seconds above 0")
@@ -348,7 +364,8 @@ def main() -> None:
 
     if not options.extra_ports:
         engine = FakeEngine(options.model, options.token_interval_ms / 1000,
-                            options.max_running, api_key=options.api_key)
+                            options.max_running, api_key=options.api_key,
+                            stamp=options.stamp)
         uvicorn.run(with_middleware(engine, options.middleware), host=options.host,
                     port=options.port, log_level="warning", access_log=False, lifespan="on",
                     timeout_keep_alive=options.keep_alive)
@@ -367,7 +384,8 @@ def main() -> None:
             out.write("".join(f"{s.getsockname()[1]}\n" for s in sockets))
     server = uvicorn.Server(uvicorn.Config(with_middleware(PerPort(
                                                options.model, options.token_interval_ms / 1000,
-                                               options.api_key), options.middleware),
+                                               options.api_key, options.stamp),
+                                               options.middleware),
                                            log_level="warning", access_log=False,
                                            lifespan="on",
                                            timeout_keep_alive=options.keep_alive))
