@@ -1,7 +1,8 @@
 """bench/gateway_overhead.py --compare-with PATH: this checkout's gateway against another
 checkout's (e.g. a `git worktree` of an older commit with the same .venv), each `manage.py
 serve` before the same engines, every load sent to the two in interleaved rounds (A, B,
-A, B). Per load: each server's CPU per relayed event and per request, TTFT p50, tokens/s,
+A, B). Per load: each server's CPU per relayed event and per request, TTFT p50 (and its legs,
+where the engines stamp: bench/stream_load.py), tokens/s,
 their CPU ratio, and how often each server's cycle collector ran per 100 requests
 (python_gc_collections_total on its /metrics, read around each of its rounds). With
 --local, the engines are replicas each control plane runs itself; with --redis, each
@@ -22,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.path_figures import LOADS, Endpoint, interleave, profile_load  # noqa: E402
+from bench.path_figures import LOADS, Endpoint, interleave, legs_text, profile_load  # noqa: E402
 from bench.planes import ENGINE_KEEP_ALIVE, ControlPlane, start_engine  # noqa: E402
 from fakes.vllm_cli import stand_in_python  # noqa: E402
 
@@ -89,10 +90,11 @@ def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[s
             print(f"{name}: {load_.streams} streams x {load_.tokens} tokens, {rounds} "
                   f"interleaved rounds | this: {this.cpu_per_event_us:.1f} us CPU/event, "
                   f"{this.cpu_per_request_ms:.3f} ms CPU/request, "
-                  f"TTFT p50 {this.ttft_p50():.2f} ms, {this.rate:,.0f} tok/s | other: "
-                  f"{other.cpu_per_event_us:.1f} us CPU/event, "
+                  f"TTFT p50 {this.ttft_p50():.2f} ms, {legs_text(this)}{this.rate:,.0f} "
+                  f"tok/s | other: {other.cpu_per_event_us:.1f} us CPU/event, "
                   f"{other.cpu_per_request_ms:.3f} ms CPU/request, TTFT p50 "
-                  f"{other.ttft_p50():.2f} ms, {other.rate:,.0f} tok/s | CPU/event ratio "
+                  f"{other.ttft_p50():.2f} ms, {legs_text(other)}{other.rate:,.0f} tok/s | "
+                  f"CPU/event ratio "
                   f"this/other {this.cpu_per_event_us / other.cpu_per_event_us:.3f} | "
                   f"cycle collections per 100 requests "
                   f"{this.collections_per_100_requests:.1f}/"
