@@ -164,10 +164,11 @@ def test_a_request_waiting_for_a_slot_shows_in_the_queue_gauge(
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 30
-    while (seen := scrape(gateway_url)).get(queued) != 1:
-        assert time.monotonic() < deadline, f"never one queued: {seen.get(queued)}"
+    # One at the replica (in flight once its answer has begun), one waiting for its slot.
+    while ((seen := scrape(gateway_url)).get(queued), seen.get(in_flight)) != (1, 1):
+        assert time.monotonic() < deadline, \
+            f"never one queued beside one in flight: {seen.get(queued)}, {seen.get(in_flight)}"
         time.sleep(0.02)
-    assert seen[in_flight] == 1  # one at the replica, one waiting for its slot
     for thread in threads:
         thread.join(timeout=60)
     after = scrape(gateway_url)
