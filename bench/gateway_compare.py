@@ -1,14 +1,13 @@
 """bench/gateway_overhead.py --compare-with PATH: this checkout's gateway against another
 checkout's (e.g. a `git worktree` of an older commit with the same .venv), each `manage.py
 serve` before the same engines, every load sent to the two in interleaved rounds (A, B,
-A, B). Per load: each server's CPU per relayed event and per request, TTFT p50 (and its legs,
-where the engines stamp: bench/stream_load.py), tokens/s,
-their CPU ratio, and how often each server's cycle collector ran per 100 requests
-(python_gc_collections_total on its /metrics, read around each of its rounds). With
---local, the engines are replicas each control plane runs itself; with --redis, each
-control plane has REDIS_URL (a database each on a private Redis). With --other-python,
-the other checkout runs under that interpreter (`--compare-with . --other-python PATH`:
-this code under two interpreters).
+A, B). Per load: each server's CPU per relayed event and per request, TTFT p50 and its
+legs (bench/stream_load.py), tokens/s, their CPU ratio, and how often each server's cycle
+collector ran per 100 requests (python_gc_collections_total on its /metrics, read around
+each of its rounds). With --local, the engines are replicas each control plane runs
+itself; with --redis, each control plane has REDIS_URL (a database each on a private
+Redis). With --other-python, the other checkout runs under that interpreter
+(`--compare-with . --other-python PATH`: this code under two interpreters).
 """
 
 from __future__ import annotations
