@@ -7,6 +7,7 @@ back; an engine that does not stamp leaves no legs."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 from bench.path_figures import Side, legs_text
 from bench.planes import start_engine
@@ -31,7 +32,8 @@ def test_each_first_token_is_split_into_legs_on_one_clock() -> None:
     for ttft in run.ttfts:  # every request's legs add up to one of the measured TTFTs
         assert any(abs(sum(legs) - ttft) < 1e-4 for legs in run.legs)
     text = legs_text(Side([run], 0.0))
-    assert text.startswith("legs p50/p90: to engine ") and " in engine 2" in text
+    shown = re.match(r"legs p50/p90: to engine [\d.]+/[\d.]+, in engine ([\d.]+)/", text)
+    assert shown is not None and 18 <= float(shown.group(1)) < 500  # ms, as each leg above
 
 
 def test_an_engine_that_does_not_stamp_leaves_no_legs() -> None:
