@@ -7,7 +7,9 @@ collector ran per 100 requests (python_gc_collections_total on its /metrics, rea
 each of its rounds). With --local, the engines are replicas each control plane runs
 itself; with --redis, each control plane has REDIS_URL (a database each on a private
 Redis). With --other-python, the other checkout runs under that interpreter
-(`--compare-with . --other-python PATH`: this code under two interpreters).
+(`--compare-with . --other-python PATH`: this code under two interpreters); with
+--other-env NAME=VALUE, with that setting (`--compare-with . --other-env NAME=VALUE`:
+this code with and without it).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def compare_checkouts(options: argparse.Namespace, extra_env: dict[str, str]) ->
 
             server = stack.enter_context(private_redis())
             envs = [{**extra_env, "REDIS_URL": server.database_url(db)} for db in (1, 2)]
+        envs[1] = {**envs[1], **options.other_env}
         compare_two(options, other_root, envs, pythons)
 
 
@@ -107,7 +110,9 @@ def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[s
             product.stop()
         for process in processes:
             process.kill()
+    settings = " ".join(f"{name}={value}" for name, value in options.other_env.items())
     print(f"gateway overhead against {other_root}"
           f"{f' under {options.other_python}' if options.other_python else ''}"
+          f"{f' with {settings}' if settings else ''}"
           f"{' (local replicas)' if options.local else ''}"
           f"{' (Redis)' if options.redis else ''}: " + "; ".join(summary))

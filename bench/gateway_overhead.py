@@ -43,7 +43,7 @@ planes it starts in bench/planes.py.
     .venv/bin/python bench/gateway_overhead.py [--loads NAME,...] [--rounds N] [--quick]
         [--no-router] [--no-gateway-only] [--workers N] [--bare-relay] [--vllm]
         [--compare-with PATH [--local] [--redis] [--engine-keep-alive SECONDS]
-                             [--other-python PATH]]
+                             [--other-python PATH] [--other-env NAME=VALUE ...]]
         [--profile PATH [--profile-native | --profile-idle]]
 """
 
@@ -53,6 +53,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -275,6 +276,24 @@ def measure_vllm(product: ControlPlane, processes: list[subprocess.Popen[bytes]]
     return results
 
 
+SETTING_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+def settings_given(parser: argparse.ArgumentParser, option: str, items: list[str]
+                   ) -> dict[str, str]:
+    """NAME=VALUE settings as a dict; a malformed or repeated one is the parser's error."""
+    settings: dict[str, str] = {}
+    for item in items:
+        name, equals, value = item.partition("=")
+        if not equals or not SETTING_NAME.fullmatch(name):
+            parser.error(f"{option} {item!r}: takes NAME=VALUE, NAME in capitals "
+                         "(e.g. HEALTH_CHECK_SECONDS=30)")
+        if name in settings:
+            parser.error(f"{option} {name} is given twice")
+        settings[name] = value
+    return settings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vllm", action="store_true", help="also measure the real vLLM CPU "
@@ -319,6 +338,10 @@ def main() -> None:
                         help="a setting for the control plane under test")
     parser.add_argument("--compare-with", metavar="PATH", help="another checkout of the "
                         "project: its gateway against this one's, in interleaved rounds")
+    parser.add_argument("--other-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="with --compare-with: a setting for the other control plane "
+                        "only (`--compare-with . --other-env NAME=VALUE`: this code with "
+                        "and without the setting)")
     parser.add_argument("--redis", action="store_true", help="with --compare-with: each "
                         "control plane with REDIS_URL (a database each on a private Redis): "
                         "rate limits and the route table in Redis, as for the gateway alone")
@@ -361,7 +384,10 @@ def main() -> None:
             parser.error("--engine-keep-alive goes with --compare-with (fake engines)")
         if options.engine_keep_alive <= 0:
             parser.error("--engine-keep-alive takes a number of seconds above 0")
-    extra_env = dict(item.split("=", 1) for item in options.env)
+    extra_env = settings_given(parser, "--env", options.env)
+    options.other_env = settings_given(parser, "--other-env", options.other_env)
+    if options.other_env and not options.compare_with:
+        parser.error("--other-env goes with --compare-with")
     if options.compare_with:
         from bench.gateway_compare import compare_checkouts
 

@@ -127,6 +127,14 @@ def test_the_wait_is_unknown_when_a_thread_is_gone_or_went_back() -> None:
     (["--profile-rate", "1000"], "--profile-rate goes with --profile"),
     (["--profile", "/tmp/p.txt", "--profile-rate", "0"], "--profile-rate takes 1 to 10000"),
     (["--profile", "/tmp/p.txt", "--profile-rate", "20000"], "--profile-rate takes 1 to 10000"),
+    (["--other-env", "HEALTH_CHECK_SECONDS=30"], "--other-env goes with --compare-with"),
+    (["--compare-with", ".", "--other-env", "HEALTH_CHECK_SECONDS"],
+     "--other-env 'HEALTH_CHECK_SECONDS': takes NAME=VALUE"),
+    (["--compare-with", ".", "--other-env", "health_check_seconds=30"],
+     "--other-env 'health_check_seconds=30': takes NAME=VALUE"),
+    (["--compare-with", ".", "--other-env", "A=1", "--other-env", "A=2"],
+     "--other-env A is given twice"),
+    (["--env", "LOG_LEVEL"], "--env 'LOG_LEVEL': takes NAME=VALUE"),
 ])
 def test_the_benchmark_refuses_arguments_it_cannot_use(arguments: list[str],
                                                        error: str) -> None:
@@ -136,3 +144,19 @@ def test_the_benchmark_refuses_arguments_it_cannot_use(arguments: list[str],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert error in done.stderr
+
+
+def test_a_setting_for_the_other_side_reaches_only_its_control_plane(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from bench import gateway_compare
+
+    seen: list[list[dict[str, str]]] = []
+    monkeypatch.setattr(gateway_compare, "compare_two",
+                        lambda options, root, envs, pythons: seen.append(envs))
+    options = argparse.Namespace(compare_with=".", local=False, redis=False,
+                                 other_env={"HEALTH_CHECK_SECONDS": "30"})
+    gateway_compare.compare_checkouts(options, {"LOG_LEVEL": "INFO"})
+    assert seen == [[{"LOG_LEVEL": "INFO"},
+                     {"LOG_LEVEL": "INFO", "HEALTH_CHECK_SECONDS": "30"}]]
