@@ -257,14 +257,19 @@ def idle_burn(endpoints: list[Endpoint], seconds: float) -> dict[str, list[float
 
 def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
                idle: list[float] | None = None) -> list[Side]:
-    """The same load sent to each endpoint in turn, `rounds` times (A, B, C, A, B, C ...),
-    each endpoint's process CPU counted over its own rounds only."""
+    """The same load sent to each endpoint in turn, `rounds` times, each round beginning
+    one endpoint later (A, B, C, then B, C, A, then C, A, B ...: over a multiple of the
+    endpoints' count of rounds each takes each place in the order as often, so none is
+    always the one after a given other), each endpoint's process CPU counted over its own
+    rounds only."""
     for endpoint in endpoints:  # warm connection pools at the measured concurrency
         asyncio.run(load(endpoint.urls[load_.model], load_.model, load_.streams, 8,
                          endpoint.key, 1))
     sides = [Side([], 0.0, rate) for rate in idle or [0.0] * len(endpoints)]
-    for _ in range(rounds):
-        for endpoint, side in zip(endpoints, sides, strict=True):
+    paired = list(zip(endpoints, sides, strict=True))
+    for index in range(rounds):
+        shift = index % len(paired)
+        for endpoint, side in paired[shift:] + paired[:shift]:
             collected = endpoint.collections()
             before = endpoint.cpu_reading(load_.model)
             run = asyncio.run(load(endpoint.urls[load_.model], load_.model, load_.streams,

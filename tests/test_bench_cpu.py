@@ -160,3 +160,24 @@ def test_a_setting_for_the_other_side_reaches_only_its_control_plane(
     gateway_compare.compare_checkouts(options, {"LOG_LEVEL": "INFO"})
     assert seen == [[{"LOG_LEVEL": "INFO"},
                      {"LOG_LEVEL": "INFO", "HEALTH_CHECK_SECONDS": "30"}]]
+
+
+def test_each_round_begins_one_path_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No path is always the one after a given other: over as many rounds as paths,
+    each takes each place in the order once, and each path's runs are its own."""
+    from bench import path_figures
+    from bench.stream_load import Run
+
+    sent: list[str] = []
+
+    async def one_load(url: str, model: str, streams: int, tokens: int, key: str | None,
+                       requests: int) -> Run:
+        sent.append(url)
+        return Run([0.01], ord(url), 1.0, 0)
+
+    monkeypatch.setattr(path_figures, "load", one_load)
+    endpoints = [path_figures.Endpoint(name, {"fake": name}, None, {}) for name in "ABC"]
+    sides = path_figures.interleave(path_figures.LOADS["paced-1"], endpoints, 4)
+    assert "".join(sent) == "ABC" + "ABC" + "BCA" + "CAB" + "ABC"  # warm-ups, then rounds
+    assert [[run.tokens for run in side.runs] for side in sides] == [
+        [ord(name)] * 4 for name in "ABC"]
