@@ -15,8 +15,9 @@ private `redis-server`), its CPU counted without the controllers'. The load key 
 limits no load reaches, so the limiter is in the measured path (in Redis for the gateway
 alone). The router runs round_robin over one worker,
 one router per engine, from the benchmark's own virtual environment (.bench/router-venv,
-ignored by git, created on first use; never the project's). Rounds are interleaved (direct,
-gateway, router, direct, ...) so every path sees the same machine. Per path and load it
+ignored by git, created on first use; never the project's). Rounds are interleaved, each
+beginning one path later than the last (direct, gateway, router, then gateway, router,
+direct, ...), so every path sees the same machine. Per path and load it
 prints TTFT p50/p99, the added TTFT against direct, the throughput ratio to direct and the
 CPU time per relayed event of the relaying process (each thread's time on a CPU by the
 scheduler's own count, in nanoseconds, /proc/PID/task/TID/schedstat; psutil's user +
@@ -53,7 +54,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -80,11 +80,12 @@ from bench.planes import (  # noqa: E402
     ControlPlane,
     GatewayOnly,
     GatewayWorkers,
+    settings_given,
     start_bare_relay,
     start_engine,
     start_vllm,
 )
-from bench.stream_load import Run, load  # noqa: E402  (the other benchmarks import it here)
+from bench.stream_load import load  # noqa: E402
 from tests.processes import (  # noqa: E402
     free_port,
     wait_healthy,
@@ -95,25 +96,19 @@ ROUTER_ENV = ROOT / ".bench" / "router-venv"
 
 
 def compare(label: str, direct_url: str, gateway_url: str, model: str, streams: int,
-            tokens: int, key: str, rounds: int) -> tuple[Run, Run]:
-    # Warm both paths at the measured concurrency, so both measure warm connection pools.
-    asyncio.run(load(direct_url, model, streams, 8, None, 1))
-    asyncio.run(load(gateway_url, model, streams, 8, key, 1))
-    # Interleaved round by round (direct, gateway, direct, gateway ...), so both paths
-    # see the same machine: on shared cores the machine's speed drifts within minutes.
-    direct, through = Run([], 0, 0.0, 0), Run([], 0, 0.0, 0)
-    for _ in range(rounds):
-        for total, url, with_key in ((direct, direct_url, None), (through, gateway_url, key)):
-            run = asyncio.run(load(url, model, streams, tokens, with_key, 1))
-            total.ttfts += run.ttfts
-            total.tokens += run.tokens
-            total.seconds += run.seconds
-            total.errors += run.errors
+            tokens: int, key: str, rounds: int) -> tuple[Side, Side]:
+    """Direct and through the gateway, in interleaved rounds (path_figures.interleave:
+    warm pools first, then each round beginning one path later)."""
+    endpoints = [Endpoint("direct", {model: direct_url}, None, {}),
+                 Endpoint("gateway", {model: gateway_url}, key, {})]
+    direct, through = interleave(Load(label, label, model, streams, 1, tokens), endpoints,
+                                 rounds)
     print(f"{label}: {streams} streams x {tokens} tokens | direct TTFT p50 "
-          f"{direct.p(0.5):.2f} ms p99 {direct.p(0.99):.2f} ms, {direct.rate:,.0f} tok/s | "
-          f"gateway TTFT p50 {through.p(0.5):.2f} ms p99 {through.p(0.99):.2f} ms, "
-          f"{through.rate:,.0f} tok/s | added TTFT p50 {through.p(0.5) - direct.p(0.5):+.2f} ms"
-          f" p99 {through.p(0.99) - direct.p(0.99):+.2f} ms | ratio "
+          f"{direct.ttft(0.5):.2f} ms p99 {direct.ttft(0.99):.2f} ms, {direct.rate:,.0f} tok/s"
+          f" | gateway TTFT p50 {through.ttft(0.5):.2f} ms p99 {through.ttft(0.99):.2f} ms, "
+          f"{through.rate:,.0f} tok/s | added TTFT p50 "
+          f"{through.ttft(0.5) - direct.ttft(0.5):+.2f} ms p99 "
+          f"{through.ttft(0.99) - direct.ttft(0.99):+.2f} ms | ratio "
           f"{through.rate / direct.rate:.3f} | errors {direct.errors}/{through.errors}",
           flush=True)
     return direct, through
@@ -271,27 +266,9 @@ def measure_vllm(product: ControlPlane, processes: list[subprocess.Popen[bytes]]
     for streams in (1, 32):
         direct, through = compare("vLLM CPU, demo model", url, product.url, "smollm2",
                                   streams, 128, product.key, 1)
-        results.append(f"vLLM {streams}: +{through.p(0.5) - direct.p(0.5):.1f} ms, "
+        results.append(f"vLLM {streams}: +{through.ttft(0.5) - direct.ttft(0.5):.1f} ms, "
                        f"x{through.rate / direct.rate:.3f}")
     return results
-
-
-SETTING_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
-
-
-def settings_given(parser: argparse.ArgumentParser, option: str, items: list[str]
-                   ) -> dict[str, str]:
-    """NAME=VALUE settings as a dict; a malformed or repeated one is the parser's error."""
-    settings: dict[str, str] = {}
-    for item in items:
-        name, equals, value = item.partition("=")
-        if not equals or not SETTING_NAME.fullmatch(name):
-            parser.error(f"{option} {item!r}: takes NAME=VALUE, NAME in capitals "
-                         "(e.g. HEALTH_CHECK_SECONDS=30)")
-        if name in settings:
-            parser.error(f"{option} {name} is given twice")
-        settings[name] = value
-    return settings
 
 
 def main() -> None:

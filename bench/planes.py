@@ -6,8 +6,10 @@ server. Used by bench/gateway_overhead.py and the benchmarks built on it."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +36,24 @@ ENGINE_KEEP_ALIVE = 5.0  # seconds a fake engine keeps an idle connection open, 
 # The load key's limits: far above any load here (64 unpaced streams relay about 11
 # million tokens a minute), never refusing, always checked.
 KEY_RPM, KEY_TPM = 100_000_000, 2_000_000_000
+
+
+SETTING_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+def settings_given(parser: argparse.ArgumentParser, option: str, items: list[str]
+                   ) -> dict[str, str]:
+    """NAME=VALUE settings as a dict; a malformed or repeated one is the parser's error."""
+    settings: dict[str, str] = {}
+    for item in items:
+        name, equals, value = item.partition("=")
+        if not equals or not SETTING_NAME.fullmatch(name):
+            parser.error(f"{option} {item!r}: takes NAME=VALUE, NAME in capitals "
+                         "(e.g. HEALTH_CHECK_SECONDS=30)")
+        if name in settings:
+            parser.error(f"{option} {name} is given twice")
+        settings[name] = value
+    return settings
 
 
 def start_engine(interval_ms: float, model: str, keep_alive: float = ENGINE_KEEP_ALIVE

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.dashboard_fanout import session_cookie  # noqa: E402
-from bench.planes import ControlPlane, start_engine  # noqa: E402
+from bench.planes import ControlPlane, settings_given, start_engine  # noqa: E402
 
 MODEL = "fake"
 MIB = 1024 * 1024
@@ -342,11 +342,11 @@ def main() -> None:
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for the server under test")
     options = parser.parse_args()
+    extra_env = settings_given(parser, "--env", options.env)
     warm_up = (options.warm_up_minutes * 60 if options.warm_up_minutes is not None
                else max(60.0, options.minutes * 60 / 5))
     if warm_up >= options.minutes * 60:
         raise SystemExit("the warm-up must be shorter than the run")
-    extra_env = dict(item.split("=", 1) for item in options.env)
     product = ControlPlane(**{"SCRAPE_INTERVAL": "2", **extra_env})
     engines: list[subprocess.Popen[bytes]] = []
     tally = Tally()

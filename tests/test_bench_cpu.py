@@ -181,3 +181,32 @@ def test_each_round_begins_one_path_later(monkeypatch: pytest.MonkeyPatch) -> No
     assert "".join(sent) == "ABC" + "ABC" + "BCA" + "CAB" + "ABC"  # warm-ups, then rounds
     assert [[run.tokens for run in side.runs] for side in sides] == [
         [ord(name)] * 4 for name in "ABC"]
+
+
+def test_the_vllm_rows_go_through_the_same_rotated_rounds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--vllm`'s direct-against-gateway rows are measured as every other load is."""
+    from bench import gateway_overhead, path_figures
+    from bench.stream_load import Run
+
+    sent: list[str] = []
+
+    async def one_load(url: str, model: str, streams: int, tokens: int, key: str | None,
+                       requests: int) -> Run:
+        sent.append(url)
+        return Run([0.01 if url == "d" else 0.02], tokens, 1.0, 0)
+
+    monkeypatch.setattr(path_figures, "load", one_load)
+    direct, through = gateway_overhead.compare("vLLM", "d", "g", "smollm2", 1, 128, "k", 2)
+    assert "".join(sent) == "dg" + "dg" + "gd"  # warm-ups, then two rounds
+    assert through.ttft(0.5) - direct.ttft(0.5) == pytest.approx(10.0)
+    assert direct.events == through.events == 256
+
+
+def test_the_soak_refuses_a_malformed_setting() -> None:
+    from tests.processes import ROOT
+
+    done = subprocess.run([sys.executable, "bench/soak.py", "--env", "SCRAPE_INTERVAL"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--env 'SCRAPE_INTERVAL': takes NAME=VALUE" in done.stderr
