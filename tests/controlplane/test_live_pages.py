@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from tests.pages import keep_screenshot
 from tests.processes import (
     ROOT,
     Api,
@@ -107,7 +108,7 @@ def test_the_playground_streams_the_demo_models_answer(browser: object, live: Li
     text = stats.inner_text()
     assert "TTFT" in text and "tokens/s" in text and "completion tokens" in text
     assert float(stats.get_attribute("data-browser-ttft-ms")) > 0
-    page.screenshot(path=str(artifacts / "playground.png"), full_page=True)  # type: ignore
+    keep_screenshot(page, artifacts / "playground.png")
 
     # A second turn continues the same conversation.
     page.fill("#prompt", "And one more?")  # type: ignore
@@ -181,11 +182,11 @@ def test_the_dashboards_move_under_load(browser: object, live: Live,
     assert after > before
     assert page.locator("#chart-queue canvas").count() == 1  # type: ignore
     assert page.locator("#chart-accel").get_attribute("data-series") != "0"  # type: ignore
-    page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)  # type: ignore
+    keep_screenshot(page, artifacts / "dashboard.png")
 
     page.goto(live.url + "/dashboard/")  # type: ignore
     row = page.locator(f'#fleet tr[data-deployment="{DEPLOYMENT}"]')  # type: ignore
     row.wait_for(timeout=10_000)
     assert row.locator("td").nth(1).inner_text().startswith("1 / 1")
-    page.screenshot(path=str(artifacts / "fleet.png"), full_page=True)  # type: ignore
+    keep_screenshot(page, artifacts / "fleet.png")
     page.close()  # type: ignore

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.pages import keep_screenshot
 from tests.processes import (
     free_port,
     login_from,
@@ -96,8 +97,7 @@ def test_after_login_the_registry_lists_the_demo_model_ready_with_capacity(
     capacity = row.locator("td.capacity")
     assert capacity.count() == 3
     assert "seqs" in capacity.first.inner_text()
-    page.screenshot(path=str(tmp_path / "registry.png"), full_page=True)
-    assert (tmp_path / "registry.png").stat().st_size > 0
+    keep_screenshot(page, tmp_path / "registry.png")
 
     row.locator("a").first.click()
     page.wait_for_url(served.url + "/models/smollm2-135m-instruct/")
