@@ -2,8 +2,10 @@
 checkout's (e.g. a `git worktree` of an older commit with the same .venv), each `manage.py
 serve` before the same engines, every load sent to the two in interleaved rounds (A, B,
 A, B). Per load: each server's CPU per relayed event and per request, TTFT p50 and its
-legs (bench/stream_load.py), tokens/s, their CPU ratio, and how often each server's cycle
-collector ran per 100 requests (python_gc_collections_total on its /metrics, read around
+legs (bench/stream_load.py), tokens/s, their CPU ratio (on the last line also the mean
+per-round difference ± two standard errors, and whether the rounds tell it apart from
+their own scatter: bench/spread.py), and how often each server's cycle collector ran per
+100 requests (python_gc_collections_total on its /metrics, read around
 each of its rounds). With --local, the engines are replicas each control plane runs
 itself; with --redis, each control plane has REDIS_URL (a database each on a private
 Redis). With --other-python, the other checkout runs under that interpreter
@@ -24,8 +26,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.path_figures import LOADS, Endpoint, interleave, legs_text, profile_load  # noqa: E402
+from bench.path_figures import (  # noqa: E402
+    LOADS,
+    Endpoint,
+    interleave,
+    legs_text,
+    profile_load,
+    round_cpu_us,
+)
 from bench.planes import ENGINE_KEEP_ALIVE, ControlPlane, start_engine  # noqa: E402
+from bench.spread import describe, paired  # noqa: E402
 from fakes.vllm_cli import stand_in_python  # noqa: E402
 
 
@@ -102,9 +112,11 @@ def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[s
                   f"{this.collections_per_100_requests:.1f}/"
                   f"{other.collections_per_100_requests:.1f} | "
                   f"errors {this.errors}/{other.errors}", flush=True)
+            spread = paired(round_cpu_us(this), round_cpu_us(other))
             summary.append(f"{name}: CPU/event x"
                            f"{this.cpu_per_event_us / other.cpu_per_event_us:.3f} "
-                           f"({this.cpu_per_event_us:.1f} vs {other.cpu_per_event_us:.1f} us)")
+                           f"({this.cpu_per_event_us:.1f} vs {other.cpu_per_event_us:.1f} us"
+                           f"{describe(spread, 1, ' us')})")
     finally:
         for product in products:
             product.stop()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from bench.spread import describe, paired
 from bench.stream_load import Run, load
 
 
@@ -151,6 +152,8 @@ class Side:
     # many events those rounds relayed.
     waited: float = 0.0
     waited_events: int = 0
+    # Seconds of the process's CPU in each round (in the order of `runs`).
+    round_cpu: list[float] = field(default_factory=list)
 
     @property
     def requests(self) -> int:
@@ -276,7 +279,8 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
                                    load_.tokens, endpoint.key, load_.requests))
             side.runs.append(run)
             after = endpoint.cpu_reading(load_.model)
-            side.cpu += after.since(before)
+            side.round_cpu.append(after.since(before))
+            side.cpu += side.round_cpu[-1]
             waited = after.waited_since(before)
             if waited is not None:
                 side.waited += waited
@@ -370,11 +374,27 @@ def check_targets(name: str, direct: Side, gateway: Side, router: Side,
     if gateway_added > router_added + 2.0:
         misses["ttft"].append(f"{name}: {gateway_added:+.1f} against {router_added:+.1f} ms")
     if gateway.rate < router.rate:
+        spread = paired(*(round_ratios(side, direct) for side in (gateway, router)))
         misses["ratio"].append(f"{name}: {gateway.rate / direct.rate:.4f} against "
-                               f"{router.rate / direct.rate:.4f}")
+                               f"{router.rate / direct.rate:.4f}" + describe(spread, 4))
     if gateway.cpu_per_event_us > router.cpu_per_event_us:
+        spread = paired(*(round_cpu_us(side) for side in (gateway, router)))
         misses["cpu"].append(f"{name}: {gateway.cpu_per_event_us:.1f} against "
-                             f"{router.cpu_per_event_us:.1f} µs")
+                             f"{router.cpu_per_event_us:.1f} µs" + describe(spread, 1, " µs"))
+
+
+def round_ratios(side: Side, direct: Side) -> list[float]:
+    """The path's throughput ratio to direct in each round, against direct's same round."""
+    return [run.rate / plain.rate for run, plain in zip(side.runs, direct.runs, strict=True)]
+
+
+def round_cpu_us(side: Side) -> list[float]:
+    """The path's CPU per relayed event in each round, in µs (none where a round's CPU
+    was not kept)."""
+    if len(side.round_cpu) != len(side.runs):
+        return []
+    return [cpu / max(1, run.tokens) * 1e6 for cpu, run in zip(side.round_cpu, side.runs,
+                                                                 strict=True)]
 
 
 def profile_load(text: str) -> Load:
