@@ -31,8 +31,8 @@ token, with how many cores the whole machine kept busy meanwhile (whether a burs
 waits for a full machine or for one busy process);
 then one markdown table and, on the last lines, each target of the gateway against the
 router (added TTFT p50 within the router's + 2 ms, throughput ratio at least the router's,
-CPU per event at most the router's) met or missed; a missed ratio or CPU target also gives
-the mean per-round difference from the router's same round ± two standard errors, and
+CPU per event at most the router's) met or missed; a missed target also gives the mean
+per-round difference from the router's same round ± two standard errors, and
 whether the run tells that gap apart from its rounds' scatter (bench/spread.py). With
 --bare-relay, also a bare byte relay on uvloop before each engine (bench/bare_relay.py:
 no parsing, no key, no limit), the least a Python relay can cost per event, as a floor; no

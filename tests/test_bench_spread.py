@@ -71,3 +71,24 @@ def test_a_single_round_states_no_spread(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     assert "MISSED (paced-1: 0.9800 against 0.9900)\n" in out
     assert "MISSED (paced-1: 200.0 against 100.0 µs)\n" in out
+
+
+def test_a_missed_ttft_target_is_judged_past_its_allowance(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    load = Load("unpaced-64", "unpaced", "fast", 64, 8)
+    endpoints = [Endpoint("direct", {}, None, {}), Endpoint("gateway", {}, None, {"fast": 1}),
+                 Endpoint(ROUTER, {}, None, {"fast": 2})]
+
+    def rounds(p50s_ms: list[float]) -> Side:
+        return Side([Run([p / 1000] * 3, 1000, 10.0, 0) for p in p50s_ms], 0.0,
+                    round_cpu=[0.0] * len(p50s_ms))
+
+    # Direct's p50 moves from round to round and cancels: the gateway is 8 ms after the
+    # router in every round, 6 past the 2 allowed.
+    direct, gateway, router = (rounds([10.0, 30.0, 20.0]), rounds([20.0, 40.0, 30.0]),
+                               rounds([12.0, 32.0, 22.0]))
+    print_table([(load, endpoints, [direct, gateway, router])], 3)
+    out = capsys.readouterr().out
+    assert ("added TTFT p50 within the router's + 2 ms on every row: MISSED (unpaced-64: "
+            "+10.0 against +2.0 ms; by round +6.0 ± 0.0 ms past the 2 ms allowed over 3 "
+            "rounds, beyond the rounds' noise)") in out
