@@ -26,16 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.path_figures import (  # noqa: E402
-    LOADS,
-    Endpoint,
-    interleave,
-    legs_text,
-    profile_load,
-    round_cpu_us,
-)
+from bench.path_figures import LOADS, Endpoint, interleave, legs_text, profile_load  # noqa: E402
 from bench.planes import ENGINE_KEEP_ALIVE, ControlPlane, start_engine  # noqa: E402
-from bench.spread import describe, paired  # noqa: E402
+from bench.spread import describe, paired, round_cpu_us  # noqa: E402
 from fakes.vllm_cli import stand_in_python  # noqa: E402
 
 

@@ -3,7 +3,7 @@ benchmarks built on it: the loads, an endpoint (a path: the engines themselves, 
 or a router, and the process that relays it), each path's figures over interleaved rounds
 (TTFT, tokens/s, CPU per relayed event and per request, the wait for a CPU per event,
 collections of the cycle collector), the rounds themselves, and the printed rows, table
-and targets."""
+and targets (each judged in bench/spread.py, with its spread over the rounds)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.spread import describe, paired
+from bench.spread import check_targets
 from bench.stream_load import Run, load
 
 
@@ -290,8 +290,6 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
 
 
 ROUTER = "vllm-router"
-# How far the gateway's added TTFT p50 may exceed the router's (the target).
-TTFT_ALLOWANCE_MS = 2.0
 BARE = "bare Python relay"  # bench/bare_relay.py: a floor, judged against nothing
 
 
@@ -366,47 +364,6 @@ def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: 
             verdict = "MISSED" if missed[key] else "met"
             detail = "; ".join(missed[key]) if missed[key] else f"{rows} of {rows} rows"
             print(f"target ({path}): {text}: {verdict} ({detail})")
-
-
-def check_targets(name: str, direct: Side, gateway: Side, router: Side,
-                  misses: dict[str, list[str]]) -> None:
-    """Adds this row to `misses` for each target of the gateway it misses."""
-    gateway_added = gateway.ttft(0.5) - direct.ttft(0.5)
-    router_added = router.ttft(0.5) - direct.ttft(0.5)
-    if gateway_added > router_added + TTFT_ALLOWANCE_MS:
-        # Per round, the gateway's p50 less the allowance against the router's (direct's
-        # p50 of the same round is in both added figures: it cancels).
-        spread = paired([p - TTFT_ALLOWANCE_MS for p in round_p50s(gateway)],
-                        round_p50s(router))
-        misses["ttft"].append(f"{name}: {gateway_added:+.1f} against {router_added:+.1f} ms"
-                              + describe(spread, 1, " ms past the 2 ms allowed"))
-    if gateway.rate < router.rate:
-        spread = paired(*(round_ratios(side, direct) for side in (gateway, router)))
-        misses["ratio"].append(f"{name}: {gateway.rate / direct.rate:.4f} against "
-                               f"{router.rate / direct.rate:.4f}" + describe(spread, 4))
-    if gateway.cpu_per_event_us > router.cpu_per_event_us:
-        spread = paired(*(round_cpu_us(side) for side in (gateway, router)))
-        misses["cpu"].append(f"{name}: {gateway.cpu_per_event_us:.1f} against "
-                             f"{router.cpu_per_event_us:.1f} µs" + describe(spread, 1, " µs"))
-
-
-def round_p50s(side: Side) -> list[float]:
-    """The path's TTFT p50 in each round, in ms."""
-    return [run.p(0.5) for run in side.runs]
-
-
-def round_ratios(side: Side, direct: Side) -> list[float]:
-    """The path's throughput ratio to direct in each round, against direct's same round."""
-    return [run.rate / plain.rate for run, plain in zip(side.runs, direct.runs, strict=True)]
-
-
-def round_cpu_us(side: Side) -> list[float]:
-    """The path's CPU per relayed event in each round, in µs (none where a round's CPU
-    was not kept)."""
-    if len(side.round_cpu) != len(side.runs):
-        return []
-    return [cpu / max(1, run.tokens) * 1e6 for cpu, run in zip(side.round_cpu, side.runs,
-                                                                 strict=True)]
 
 
 def profile_load(text: str) -> Load:
