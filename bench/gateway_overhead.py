@@ -28,7 +28,10 @@ how long its threads waited for a CPU per event (runnable but not yet running: t
 machine's other processes held the cores, or an idle core was still waking; the same
 file's count), and each round's burst: from its start until every stream had its first
 token, with how many cores the whole machine kept busy meanwhile (whether a burst's TTFT
-waits for a full machine or for one busy process);
+waits for a full machine or for one busy process), and the engine's own mean gap between
+two tokens of a stream over that path's rounds (its vllm:inter_token_latency_seconds: a
+paced engine waits one interval after each token, so a late wake-up lengthens the stream
+and lowers the path's throughput ratio however quick the relay);
 then one markdown table and, on the last lines, each target of the gateway against the
 router (added TTFT p50 within the router's + 2 ms, throughput ratio at least the router's,
 CPU per event at most the router's) met or missed; a missed target also gives the mean
@@ -217,7 +220,8 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
                   f"core (not counted in its figures)", flush=True)
         for name in names:
             load_ = LOADS.get(name) or profile_load(name)
-            sides = interleave(load_, endpoints, rounds, idle[load_.model])
+            sides = interleave(load_, endpoints, rounds, idle[load_.model],
+                               engines=endpoints[0].urls)  # direct: the engines
             results.append((load_, endpoints, sides))
             print_rows(load_, endpoints, sides, rounds)
         print_table(results, rounds)

@@ -154,6 +154,17 @@ class Side:
     waited_events: int = 0
     # Seconds of the process's CPU in each round (in the order of `runs`).
     round_cpu: list[float] = field(default_factory=list)
+    # The engine's own gaps between the tokens it sent over the rounds (its
+    # vllm:inter_token_latency_seconds): seconds summed and how many, where it was read.
+    engine_gap_seconds: float = 0.0
+    engine_gaps: int = 0
+
+    @property
+    def engine_itl_ms(self) -> float | None:
+        """The engine's mean gap between two tokens of a stream over this path's rounds,
+        in ms, as the engine measured it (None: not read). A paced engine waits one
+        interval after each token it sends, so a late wake-up lengthens the stream."""
+        return self.engine_gap_seconds / self.engine_gaps * 1e3 if self.engine_gaps else None
 
     @property
     def requests(self) -> int:
@@ -258,13 +269,32 @@ def idle_burn(endpoints: list[Endpoint], seconds: float) -> dict[str, list[float
             for model in models}
 
 
+def engine_itl(url: str) -> tuple[float, int] | None:
+    """An engine's inter-token latency so far, from its /metrics (vLLM's histogram
+    vllm:inter_token_latency_seconds, every label set): seconds summed and gaps counted;
+    None where it cannot be read."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        if line.startswith("vllm:inter_token_latency_seconds_sum{"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:inter_token_latency_seconds_count{"):
+            count += int(float(line.rsplit(" ", 1)[1]))
+    return total, count
+
+
 def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
-               idle: list[float] | None = None) -> list[Side]:
+               idle: list[float] | None = None,
+               engines: dict[str, str] | None = None) -> list[Side]:
     """The same load sent to each endpoint in turn, `rounds` times, each round beginning
     one endpoint later (A, B, C, then B, C, A, then C, A, B ...: over a multiple of the
     endpoints' count of rounds each takes each place in the order as often, so none is
     always the one after a given other), each endpoint's process CPU counted over its own
-    rounds only."""
+    rounds only; with `engines` (model -> the engine's base URL), also the engine's own
+    gaps between tokens over each endpoint's rounds."""
     for endpoint in endpoints:  # warm connection pools at the measured concurrency
         asyncio.run(load(endpoint.urls[load_.model], load_.model, load_.streams, 8,
                          endpoint.key, 1))
@@ -274,6 +304,8 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
         shift = index % len(paired)
         for endpoint, side in paired[shift:] + paired[:shift]:
             collected = endpoint.collections()
+            engine = (engines or {}).get(load_.model)
+            gaps = engine_itl(engine) if engine else None
             before = endpoint.cpu_reading(load_.model)
             run = asyncio.run(load(endpoint.urls[load_.model], load_.model, load_.streams,
                                    load_.tokens, endpoint.key, load_.requests))
@@ -286,6 +318,10 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
                 side.waited += waited
                 side.waited_events += run.tokens
             side.collections += endpoint.collections() - collected
+            gaps_after = engine_itl(engine) if gaps is not None and engine else None
+            if gaps is not None and gaps_after is not None:
+                side.engine_gap_seconds += gaps_after[0] - gaps[0]
+                side.engine_gaps += gaps_after[1] - gaps[1]
     return sides
 
 
@@ -306,6 +342,8 @@ def print_rows(load_: Load, endpoints: list[Endpoint], sides: list[Side], rounds
               + (f"waited {side.waited_per_event_us:.1f} us/event for a CPU, "
                  if side.waited_per_event_us is not None else "")
               + legs_text(side)
+              + (f"engine ITL {side.engine_itl_ms:.3f} ms, "
+                 if side.engine_itl_ms is not None else "")
               + f"burst {side.burst_ms:.1f} ms with the machine {side.burst_cores:.2f} of "
               f"{os.cpu_count()} cores busy, errors {side.errors}", flush=True)
 

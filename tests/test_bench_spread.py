@@ -1,11 +1,13 @@
 """The side-by-side table's verdicts say whether a missed target's gap stands out of the
 rounds' own scatter (bench/spread.py): per round, the gateway's figure against the
-router's in the same round."""
+router's in the same round. Each path's line also gives the engine's own gaps between
+tokens over its rounds, read from the engine's metrics."""
 
 from __future__ import annotations
 
 import math
 
+import httpx
 import pytest
 
 from bench.path_figures import ROUTER, Endpoint, Load, Side, print_table
@@ -92,3 +94,54 @@ def test_a_missed_ttft_target_is_judged_past_its_allowance(
     assert ("added TTFT p50 within the router's + 2 ms on every row: MISSED (unpaced-64: "
             "+10.0 against +2.0 ms; by round +6.0 ± 0.0 ms past the 2 ms allowed over 3 "
             "rounds, beyond the rounds' noise)") in out
+
+
+def test_the_engines_own_gaps_between_tokens_are_read_from_its_metrics() -> None:
+    """The paced engine's vllm:inter_token_latency_seconds over a stream: one gap fewer
+    than the tokens, each at least its interval (it waits that long after each token)."""
+    from bench.path_figures import engine_itl
+    from tests.engines import start_fake_engine
+
+    engine = start_fake_engine("gaps", interval_ms=5)
+    try:
+        before = engine_itl(engine.url)
+        assert before is not None
+        with httpx.stream("POST", f"{engine.url}/v1/completions", timeout=30, json={
+                "model": "fake", "prompt": "x", "max_tokens": 6, "stream": True}) as response:
+            assert response.status_code == 200
+            assert sum(1 for line in response.iter_lines() if line.startswith("data: {"))
+        after = engine_itl(engine.url)
+        assert after is not None
+        assert after[1] - before[1] == 5
+        assert 5 * 0.005 <= after[0] - before[0] < 5 * 0.005 + 1.0
+    finally:
+        engine.process.kill()
+        engine.process.wait(timeout=10)
+    assert engine_itl(engine.url) is None  # nothing answers there now
+
+
+def test_each_path_gets_the_engine_gaps_of_its_own_rounds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import path_figures
+
+    clock = {"gaps": 0, "seconds": 0.0}
+
+    async def one_load(url: str, model: str, streams: int, tokens: int, key: str | None,
+                       requests: int) -> Run:
+        # The engine's gaps: 10 ms each direct, 11 ms through the relay.
+        clock["gaps"] += 9
+        clock["seconds"] += 9 * (0.010 if url == "direct" else 0.011)
+        return Run([0.01], 10, 1.0, 0)
+
+    monkeypatch.setattr(path_figures, "load", one_load)
+    monkeypatch.setattr(path_figures, "engine_itl",
+                        lambda url: (clock["seconds"], clock["gaps"]) if url == "engine"
+                        else None)
+    endpoints = [Endpoint("direct", {"fake": "direct"}, None, {}),
+                 Endpoint("relay", {"fake": "relay"}, None, {})]
+    direct, relay = path_figures.interleave(path_figures.LOADS["paced-1"], endpoints, 4,
+                                            engines={"fake": "engine"})
+    assert direct.engine_itl_ms == pytest.approx(10.0)
+    assert relay.engine_itl_ms == pytest.approx(11.0)
+    plain = path_figures.interleave(path_figures.LOADS["paced-1"], endpoints, 2)
+    assert plain[0].engine_itl_ms is None  # no engine given: nothing read
