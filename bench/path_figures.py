@@ -273,17 +273,20 @@ def engine_itl(url: str) -> tuple[float, int] | None:
     """An engine's inter-token latency so far, from its /metrics (vLLM's histogram
     vllm:inter_token_latency_seconds, every label set): seconds summed and gaps counted;
     None where it cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    total, count = 0.0, 0
-    for line in text.splitlines():
-        if line.startswith("vllm:inter_token_latency_seconds_sum{"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:inter_token_latency_seconds_count{"):
-            count += int(float(line.rsplit(" ", 1)[1]))
-    return total, count
+    sums = {"vllm:inter_token_latency_seconds_sum": 0.0,
+            "vllm:inter_token_latency_seconds_count": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in sums:
+                sums[sample.name] += sample.value
+    return sums["vllm:inter_token_latency_seconds_sum"], int(
+        sums["vllm:inter_token_latency_seconds_count"])
 
 
 def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
@@ -318,7 +321,7 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
                 side.waited += waited
                 side.waited_events += run.tokens
             side.collections += endpoint.collections() - collected
-            gaps_after = engine_itl(engine) if gaps is not None and engine else None
+            gaps_after = engine_itl(engine) if engine and gaps is not None else None
             if gaps is not None and gaps_after is not None:
                 side.engine_gap_seconds += gaps_after[0] - gaps[0]
                 side.engine_gaps += gaps_after[1] - gaps[1]

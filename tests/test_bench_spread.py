@@ -37,6 +37,12 @@ def test_no_spread_is_stated_where_it_cannot_be_told(a: list[float],
     assert paired(a, b) is None
 
 
+def paths(model: str) -> list[Endpoint]:
+    """Direct, a gateway and the router, as the table lists them."""
+    return [Endpoint("direct", {}, None, {}), Endpoint("gateway", {}, None, {model: 1}),
+            Endpoint(ROUTER, {}, None, {model: 2})]
+
+
 def side(rates: list[float], cpu_per_round: list[float]) -> Side:
     """A path's rounds: each 1000 events in 1000/rate seconds, with this CPU."""
     runs = [Run([0.01], 1000, 1000 / rate, 0) for rate in rates]
@@ -46,8 +52,7 @@ def side(rates: list[float], cpu_per_round: list[float]) -> Side:
 def test_the_verdict_says_whether_a_miss_is_beyond_the_rounds_noise(
         capsys: pytest.CaptureFixture[str]) -> None:
     load = Load("paced-1", "paced 10 ms/token", "fake", 1, 1)
-    endpoints = [Endpoint("direct", {}, None, {}), Endpoint("gateway", {}, None, {"fake": 1}),
-                 Endpoint(ROUTER, {}, None, {"fake": 2})]
+    endpoints = paths("fake")
     direct = side([100.0, 100.0, 100.0, 100.0], [0.0] * 4)
     # The gateway's throughput a hair below the router's, every round by as much: a
     # gap the rounds tell apart. Its CPU above the router's on the whole, but below it
@@ -66,8 +71,7 @@ def test_the_verdict_says_whether_a_miss_is_beyond_the_rounds_noise(
 
 def test_a_single_round_states_no_spread(capsys: pytest.CaptureFixture[str]) -> None:
     load = Load("paced-1", "paced 10 ms/token", "fake", 1, 1)
-    endpoints = [Endpoint("direct", {}, None, {}), Endpoint("gateway", {}, None, {"fake": 1}),
-                 Endpoint(ROUTER, {}, None, {"fake": 2})]
+    endpoints = paths("fake")
     print_table([(load, endpoints, [side([100.0], [0.0]), side([98.0], [0.2]),
                                     side([99.0], [0.1])])], 1)
     out = capsys.readouterr().out
@@ -78,8 +82,7 @@ def test_a_single_round_states_no_spread(capsys: pytest.CaptureFixture[str]) -> 
 def test_a_missed_ttft_target_is_judged_past_its_allowance(
         capsys: pytest.CaptureFixture[str]) -> None:
     load = Load("unpaced-64", "unpaced", "fast", 64, 8)
-    endpoints = [Endpoint("direct", {}, None, {}), Endpoint("gateway", {}, None, {"fast": 1}),
-                 Endpoint(ROUTER, {}, None, {"fast": 2})]
+    endpoints = paths("fast")
 
     def rounds(p50s_ms: list[float]) -> Side:
         return Side([Run([p / 1000] * 3, 1000, 10.0, 0) for p in p50s_ms], 0.0,
