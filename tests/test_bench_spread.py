@@ -101,7 +101,9 @@ def test_a_missed_ttft_target_is_judged_past_its_allowance(
 
 def test_the_engines_own_gaps_between_tokens_are_read_from_its_metrics() -> None:
     """The paced engine's vllm:inter_token_latency_seconds over a stream: one gap fewer
-    than the tokens, each at least its interval (it waits that long after each token)."""
+    than the tokens, each about its interval (it waits that long after each token; under
+    uvloop a timer counts whole milliseconds from the loop's cached clock, so one gap can
+    come up to a millisecond short)."""
     from bench.path_figures import engine_itl
     from tests.engines import start_fake_engine
 
@@ -116,7 +118,7 @@ def test_the_engines_own_gaps_between_tokens_are_read_from_its_metrics() -> None
         after = engine_itl(engine.url)
         assert after is not None
         assert after[1] - before[1] == 5
-        assert 5 * 0.005 <= after[0] - before[0] < 5 * 0.005 + 1.0
+        assert 5 * (0.005 - 0.001) <= after[0] - before[0] < 5 * 0.005 + 1.0
     finally:
         engine.process.kill()
         engine.process.wait(timeout=10)
