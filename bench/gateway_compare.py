@@ -87,7 +87,7 @@ def compare_two(options: argparse.Namespace, other_root: Path, envs: list[dict[s
                 product.route("fast", unpaced_url)
         endpoints = [Endpoint(name, {"fake": p.url, "fast": p.url}, p.key,
                               {"fake": p.process.pid, "fast": p.process.pid},
-                              f"{p.url}/metrics")
+                              f"{p.url}/metrics", p.database)
                      for name, p in zip(("this", "other"), products, strict=True)]
         for name in names:
             load_ = LOADS.get(name) or profile_load(name)

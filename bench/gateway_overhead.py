@@ -191,7 +191,8 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
             plane.route("fast", unpaced_url)
             pid = plane.process.pid
             endpoints.append(Endpoint(label, {"fake": plane.url, "fast": plane.url},
-                                      plane.key, {"fake": pid, "fast": pid}))
+                                      plane.key, {"fake": pid, "fast": pid},
+                                      database=plane.database))
         if executable is not None:  # one router per engine, as one gateway serves both
             (paced_router, paced_via), (unpaced_router, unpaced_via) = (
                 start_router(executable, url) for url in (paced_url, unpaced_url))

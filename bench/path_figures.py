@@ -14,11 +14,13 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
 from bench.spread import check_targets
 from bench.stream_load import Run, load
+from bench.usage_waits import held_in, now_as_stored
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Endpoint:
     key: str | None
     pids: dict[str, int]  # model -> the process that relays it; none for the engine
     metrics: str | None = None  # the control plane's /metrics, where it has one
+    database: Path | None = None  # the project's gateway's SQLite file (its usage records)
 
     def collections(self) -> int:
         """The cycle collector's runs in the relaying process so far (every generation),
@@ -154,6 +157,9 @@ class Side:
     waited_events: int = 0
     # Seconds of the process's CPU in each round (in the order of `runs`).
     round_cpu: list[float] = field(default_factory=list)
+    # Each request's seconds in the project's gateway, its key known to its upstream
+    # write (its usage records' queue_ms).
+    held: list[float] = field(default_factory=list)
     # The engine's own gaps between the tokens it sent over the rounds (its
     # vllm:inter_token_latency_seconds): seconds summed and how many, where it was read.
     engine_gap_seconds: float = 0.0
@@ -298,9 +304,13 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
     always the one after a given other), each endpoint's process CPU counted over its own
     rounds only; with `engines` (model -> the engine's base URL), also the engine's own
     gaps between tokens over each endpoint's rounds."""
+    warmed = now_as_stored()
     for endpoint in endpoints:  # warm connection pools at the measured concurrency
         asyncio.run(load(endpoint.urls[load_.model], load_.model, load_.streams, 8,
                          endpoint.key, 1))
+    for endpoint in endpoints:  # the warm-up's usage records in, none dated after `since`
+        held_in(endpoint.database, warmed, load_.streams)
+    since = now_as_stored()
     sides = [Side([], 0.0, rate) for rate in idle or [0.0] * len(endpoints)]
     paired = list(zip(endpoints, sides, strict=True))
     for index in range(rounds):
@@ -325,6 +335,8 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
             if gaps is not None and gaps_after is not None:
                 side.engine_gap_seconds += gaps_after[0] - gaps[0]
                 side.engine_gaps += gaps_after[1] - gaps[1]
+    for endpoint, side in paired:
+        side.held = held_in(endpoint.database, since, rounds * load_.streams * load_.requests)
     return sides
 
 
@@ -357,9 +369,11 @@ def legs_text(side: Side) -> str:
     p50, p90 = side.legs(0.5), side.legs(0.9)
     if p50 is None or p90 is None:
         return ""
-    return ("legs p50/p90: to engine {:.1f}/{:.1f}, in engine {:.1f}/{:.1f}, back "
-            "{:.1f}/{:.1f} ms, ").format(*(v for pair in zip(p50, p90, strict=True)
-                                                for v in pair))
+    held = (" (in the gateway {:.1f}/{:.1f})".format(*(Run(side.held, 0, 1, 0).p(q)
+                                                       for q in (0.5, 0.9))) if side.held else "")
+    return ("legs p50/p90: to engine {:.1f}/{:.1f}" + held + ", in engine {:.1f}/{:.1f}, "
+            "back {:.1f}/{:.1f} ms, ").format(*(v for pair in zip(p50, p90, strict=True)
+                                                 for v in pair))
 
 
 def print_table(results: list[tuple[Load, list[Endpoint], list[Side]]], rounds: int) -> None:

@@ -109,6 +109,11 @@ class ControlPlane:
             self.process = start_server_in(root, self.env, self.port, self.python)
 
     @property
+    def database(self) -> Path:
+        """Its SQLite file (absent where DATABASE_URL names another database)."""
+        return Path(self.env["DATA_DIR"]) / "db.sqlite3"
+
+    @property
     def elsewhere(self) -> bool:
         """Another checkout's code or another interpreter than this benchmark's."""
         return self.root != ROOT or self.python != sys.executable

@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sqlite3
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,30 +24,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.planes import ControlPlane, GatewayOnly, start_engine  # noqa: E402
 from bench.stream_load import load  # noqa: E402
+from bench.usage_waits import now_as_stored, wait_for_records  # noqa: E402
 from tests.services import private_redis  # noqa: E402
 
 TOKENS = 64  # per stream: the burst is what is measured, not the stream's length
-
-
-def waits_since(plane: ControlPlane, since: str) -> list[float]:
-    """`queue_ms` of the usage records the server wrote after `since` (UTC)."""
-    database = sqlite3.connect(str(Path(plane.env["DATA_DIR"]) / "db.sqlite3"))
-    try:
-        rows = database.execute("SELECT queue_ms FROM serving_usagerecord WHERE at > ?",
-                                (since,)).fetchall()
-    finally:
-        database.close()
-    return [float(row[0]) for row in rows]
-
-
-def wait_for_records(plane: ControlPlane, since: str, count: int) -> list[float]:
-    """The records of the measured rounds, once the server's usage writer has them all."""
-    deadline = time.monotonic() + 30
-    while True:
-        waits = waits_since(plane, since)
-        if len(waits) >= count or time.monotonic() > deadline:
-            return waits
-        time.sleep(0.2)
 
 
 def main(options: argparse.Namespace) -> None:
@@ -66,7 +44,7 @@ def main(options: argparse.Namespace) -> None:
             plane.route("fake", url)
             asyncio.run(load(plane.url, "fake", 8, 16, plane.key, 1))  # warm
         time.sleep(1)
-        since = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")  # as Django stores it
+        since = now_as_stored()
         ttft: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(options.rounds):
             for name, plane in paths.items():
@@ -78,7 +56,7 @@ def main(options: argparse.Namespace) -> None:
         expected = options.rounds * options.streams
         medians = []
         for name, plane in paths.items():
-            waits = sorted(wait_for_records(plane, since, expected))
+            waits = sorted(wait_for_records(plane.database, since, expected))
             if len(waits) != expected:  # fewer: not written; more: not this run's alone
                 sys.exit(f"{name}: {len(waits)} usage records, not {expected}")
             medians.append(statistics.median(waits))

@@ -2,16 +2,20 @@
 started by the benchmarks stamps each stream's first event with when the request arrived
 and when the event left (fakes/engine.py --stamp), and the load client splits each
 request's time to first token into the leg before the engine, the one in it and the one
-back; an engine that does not stamp leaves no legs."""
+back; an engine that does not stamp leaves no legs. Through the project's gateway, the
+leg before the engine also gives the part spent in the gateway, from its usage records."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
+from pathlib import Path
 
-from bench.path_figures import Side, legs_text
-from bench.planes import start_engine
-from bench.stream_load import load
+from bench.path_figures import Endpoint, Load, Side, interleave, legs_text
+from bench.planes import ControlPlane, start_engine
+from bench.stream_load import Run, load
+from bench.usage_waits import wait_for_records
 from tests.engines import start_fake_engine
 
 
@@ -45,3 +49,32 @@ def test_an_engine_that_does_not_stamp_leaves_no_legs() -> None:
         engine.process.wait(timeout=10)
     assert run.errors == 0 and len(run.ttfts) == 2 and run.legs == []
     assert legs_text(Side([run], 0.0)) == ""
+
+
+def test_the_gateways_own_part_of_the_leg_to_the_engine_comes_from_its_records() -> None:
+    engine, url = start_engine(5, "fake")
+    plane = ControlPlane()
+    try:
+        plane.route("fake", url)
+        gateway = Endpoint("gateway", {"fake": plane.url}, plane.key, {},
+                           database=plane.database)
+        side, = interleave(Load("tiny", "paced", "fake", 3, 2, 4), [gateway], 1)
+    finally:
+        plane.stop()
+        engine.kill()
+        engine.wait(timeout=10)
+    # Every request of the round, none of the warm-up before it; each held a while in
+    # the gateway, less than its whole way to the engine (client, gateway, engine).
+    assert side.errors == 0 and len(side.held) == len(side.runs[0].legs) == 6
+    assert all(0 < held < 5 for held in side.held)
+    legs, held = side.legs(0.5), Run(side.held, 0, 1, 0).p(0.5)
+    assert legs is not None and held < legs[0]
+    shown = re.match(r"legs p50/p90: to engine ([\d.]+)/[\d.]+ \(in the gateway "
+                     r"([\d.]+)/[\d.]+\), in engine", legs_text(side))
+    assert shown is not None and abs(float(shown.group(2)) - held) < 0.1
+
+
+def test_no_database_there_gives_no_records_at_once(tmp_path: Path) -> None:
+    started = time.monotonic()
+    assert wait_for_records(tmp_path / "db.sqlite3", "2026-01-01 00:00:00.000000", 5) == []
+    assert time.monotonic() - started < 1
