@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def test_the_gateways_own_part_of_the_leg_to_the_engine_comes_from_its_records()
         plane.stop()
         engine.kill()
         engine.wait(timeout=10)
+        shutil.rmtree(Path(plane.env["DATA_DIR"]).parent, ignore_errors=True)
     # Every request of the round, none of the warm-up before it; each held a while in
     # the gateway, less than its whole way to the engine (client, gateway, engine).
     assert side.errors == 0 and len(side.held) == len(side.runs[0].legs) == 6
