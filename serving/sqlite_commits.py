@@ -12,8 +12,9 @@ commit since the watch's read is one of those (`unchanged_since`), its query wou
 nothing new: it is not run, and the controllers skip handing a pass with nothing else to
 do to a worker thread just to run it (controlplane/controllers.py).
 
-Reading the header is one open, a 28-byte read and a close of a local file: cheap enough
-for the event loop. Anything unexpected (not SQLite, an in-memory database, a file that
+Reading the header is a stat and a 28-byte read of a local file, through a descriptor
+the process keeps open (closing one would drop the process's SQLite locks on the file):
+cheap enough for the event loop. Anything unexpected (not SQLite, an in-memory database, a file that
 cannot be read, write-ahead-log mode, where the header counts no commits) reads as None,
 and None never counts as unchanged: the pass then runs as it always did.
 """
@@ -42,6 +43,31 @@ def database_file(database: Mapping[str, Any]) -> str | None:
     return name
 
 
+# A descriptor of each database file read, by path, with the file's (device, inode):
+# kept open for the life of the process, never closed. POSIX drops every lock a process
+# holds on a file when it closes any descriptor of that file, so a read that closed its
+# own would free the locks SQLite's connections in this process hold on the database (a
+# transaction's write lock among them: the usage writer reads the counter inside its
+# transaction), and another process could write at the same time and corrupt it.
+_descriptors: dict[str, tuple[int, int, int]] = {}
+_descriptors_lock = threading.Lock()
+
+
+def _descriptor(path: str) -> int:
+    """This process's descriptor of the file now at `path`, opened on the first read and
+    again when another file has taken the path (the one before is left open: closing
+    it would drop the locks of a connection still on that file)."""
+    now = os.stat(path)
+    with _descriptors_lock:
+        kept = _descriptors.get(path)
+        if kept is not None and kept[1:] == (now.st_dev, now.st_ino):
+            return kept[0]
+        fd = os.open(path, os.O_RDONLY)
+        opened = os.fstat(fd)  # the file opened, whatever took the path meanwhile
+        _descriptors[path] = (fd, opened.st_dev, opened.st_ino)
+        return fd
+
+
 def counter() -> int | None:
     """The database file's commit counter now; None where it cannot be told."""
     # The default database (the test runner's too: it changes the same settings).
@@ -49,11 +75,7 @@ def counter() -> int | None:
     if path is None:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            header = os.pread(fd, 28, 0)
-        finally:
-            os.close(fd)
+        header = os.pread(_descriptor(path), 28, 0)
     except OSError:
         return None
     if len(header) < 28 or not header.startswith(_MAGIC) or header[18] != _LEGACY:

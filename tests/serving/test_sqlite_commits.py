@@ -5,6 +5,8 @@ told (write-ahead log, an in-memory database, not SQLite) never reads as unchang
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -173,3 +175,49 @@ def test_a_transaction_that_changed_no_row_is_not_counted_as_its_own(
         assert AuditEvent.objects.filter(pk=-1).update(count=2) == 0
     assert counter() == looked + 1  # the other process's commit alone
     assert not watch.unchanged_since(looked)
+
+
+def take_write_lock_elsewhere(path: Path) -> subprocess.CompletedProcess[str]:
+    """Another process asking at once for the write lock (BEGIN IMMEDIATE, no wait)."""
+    return subprocess.run([sys.executable, "-c", (
+        "import sqlite3, sys\n"
+        "db = sqlite3.connect(sys.argv[1], timeout=0, isolation_level=None)\n"
+        "db.execute('BEGIN IMMEDIATE')\n"
+        "db.execute('INSERT INTO t VALUES (3)')\n"
+        "db.execute('COMMIT')\n"), str(path)], capture_output=True, text=True, timeout=60)
+
+
+def test_reading_the_counter_leaves_this_process_its_locks(database: Path) -> None:
+    # POSIX drops every lock a process holds on a file when it closes any descriptor of
+    # that file: a read of the header that closed its descriptor would free the write
+    # lock of the transaction it is read in, and another process could write at once.
+    db = sqlite3.connect(database, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("INSERT INTO t VALUES (2)")
+        for _ in range(3):
+            assert counter() is not None
+        other = take_write_lock_elsewhere(database)
+        assert other.returncode != 0 and "database is locked" in other.stderr
+        db.execute("COMMIT")
+    finally:
+        db.close()
+    assert take_write_lock_elsewhere(database).returncode == 0  # free once committed
+    with sqlite3.connect(database) as check:
+        assert check.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert check.execute("SELECT x FROM t ORDER BY x").fetchall() == [(2,), (3,)]
+
+
+def test_a_database_file_made_anew_is_read_anew(database: Path) -> None:
+    looked = counter()
+    assert looked is not None
+    database.unlink()
+    with sqlite3.connect(database) as db:  # another file at the same path
+        db.execute("CREATE TABLE t (x INTEGER)")
+        for _ in range(5):
+            db.execute("INSERT INTO t VALUES (1)")
+            db.commit()
+    now = counter()
+    assert now is not None and now != looked
+    commit(database)
+    assert counter() == now + 1
