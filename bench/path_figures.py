@@ -20,7 +20,7 @@ import httpx
 
 from bench.spread import check_targets
 from bench.stream_load import Run, load
-from bench.usage_waits import held_in, now_as_stored
+from bench.usage_waits import after_records, held_in, now_as_stored
 
 
 @dataclass(frozen=True)
@@ -308,9 +308,7 @@ def interleave(load_: Load, endpoints: list[Endpoint], rounds: int,
     for endpoint in endpoints:  # warm connection pools at the measured concurrency
         asyncio.run(load(endpoint.urls[load_.model], load_.model, load_.streams, 8,
                          endpoint.key, 1))
-    for endpoint in endpoints:  # the warm-up's usage records in, none dated after `since`
-        held_in(endpoint.database, warmed, load_.streams)
-    since = now_as_stored()
+    since = after_records((endpoint.database for endpoint in endpoints), warmed, load_.streams)
     sides = [Side([], 0.0, rate) for rate in idle or [0.0] * len(endpoints)]
     paired = list(zip(endpoints, sides, strict=True))
     for index in range(rounds):

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.planes import ControlPlane, GatewayOnly, start_engine  # noqa: E402
 from bench.stream_load import load  # noqa: E402
-from bench.usage_waits import now_as_stored, wait_for_records  # noqa: E402
+from bench.usage_waits import after_records, now_as_stored, wait_for_records  # noqa: E402
 from tests.services import private_redis  # noqa: E402
 
 TOKENS = 64  # per stream: the burst is what is measured, not the stream's length
@@ -40,11 +39,11 @@ def main(options: argparse.Namespace) -> None:
             stack.callback(plane.stop)
         engine, url = start_engine(10.0, "fake")
         stack.callback(engine.kill)
+        warmed = now_as_stored()
         for plane in paths.values():
             plane.route("fake", url)
             asyncio.run(load(plane.url, "fake", 8, 16, plane.key, 1))  # warm
-        time.sleep(1)
-        since = now_as_stored()
+        since = after_records((plane.database for plane in paths.values()), warmed, 8)
         ttft: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(options.rounds):
             for name, plane in paths.items():

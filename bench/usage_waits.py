@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -42,6 +43,16 @@ def wait_for_records(database: Path, since: str, count: int,
             return waits
         time.sleep(0.2)
     return []
+
+
+def after_records(databases: Iterable[Path | None], since: str, count: int) -> str:
+    """The time now as stored, once each database (None: none) holds `count` records
+    written after `since` (a warm-up's): a record dated after it is one of what came next,
+    not a warm-up request the server recorded after the client had its last byte."""
+    for database in databases:
+        if database is not None:
+            wait_for_records(database, since, count)
+    return now_as_stored()
 
 
 def held_in(database: Path | None, since: str, count: int) -> list[float]:

@@ -14,9 +14,9 @@ do to a worker thread just to run it (controlplane/controllers.py).
 
 Reading the header is a stat and a 28-byte read of a local file, through a descriptor
 the process keeps open (closing one would drop the process's SQLite locks on the file):
-cheap enough for the event loop. Anything unexpected (not SQLite, an in-memory database, a file that
-cannot be read, write-ahead-log mode, where the header counts no commits) reads as None,
-and None never counts as unchanged: the pass then runs as it always did.
+cheap enough for the event loop. Anything unexpected (not SQLite, an in-memory database,
+a file that cannot be read, write-ahead-log mode, where the header counts no commits)
+reads as None, and None never counts as unchanged: the pass then runs as it always did.
 """
 
 from __future__ import annotations
