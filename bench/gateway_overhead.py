@@ -4,7 +4,9 @@ through vLLM's Rust router (`vllm-router` from PyPI), side by side, in one run.
 The loads (--loads picks a subset, --rounds sets how many interleaved rounds):
 - paced-1, paced-16, paced-128: the FAKE engine (fakes/engine.py) emitting one token every
   10 ms, 1, 16 and 128 concurrent streams of 256 tokens;
-- unpaced-1, unpaced-64: the fake engine as fast as it can, 1 and 64 streams;
+- unpaced-1, unpaced-64: the fake engine as fast as it can, 1 and 64 streams, the
+  streams taking turns a token each, as a batching engine's do (--serial-engine: each
+  stream's tokens back to back, whole streams one after another);
 - with --vllm: afterwards the real vLLM CPU server with the demo model, 1 and 32 streams,
   direct and through the gateway.
 
@@ -48,7 +50,8 @@ figures and the printed table are in bench/path_figures.py; the engines and the 
 planes it starts in bench/planes.py.
 
     .venv/bin/python bench/gateway_overhead.py [--loads NAME,...] [--rounds N] [--quick]
-        [--no-router] [--no-gateway-only] [--workers N] [--bare-relay] [--vllm]
+        [--no-router] [--no-gateway-only] [--workers N] [--bare-relay] [--serial-engine]
+        [--vllm]
         [--compare-with PATH [--local] [--redis] [--engine-keep-alive SECONDS]
                              [--other-python PATH] [--other-env NAME=VALUE ...]]
         [--profile PATH [--profile-native | --profile-idle]]
@@ -180,8 +183,11 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
         stack.callback(end_processes, processes)
         results: list[tuple[Load, list[Endpoint], list[Side]]] = []
         paced, paced_url = start_engine(10.0, "fake")
-        unpaced, unpaced_url = start_engine(0.0, "fast")
+        unpaced, unpaced_url = start_engine(0.0, "fast", serial=options.serial_engine)
         processes += [paced, unpaced]
+        print("the unpaced engine: " + ("whole streams one after another (--serial-engine)"
+                                        if options.serial_engine else
+                                        "the streams take turns, a token each"), flush=True)
         endpoints = [Endpoint("direct", {"fake": paced_url, "fast": unpaced_url}, None, {})]
         for label, plane in (("gateway", product), ("gateway alone", alone),
                              (f"gateway, {options.workers} workers", workers)):
@@ -295,6 +301,9 @@ def main() -> None:
     parser.add_argument("--bare-relay", action="store_true", help="also a bare byte relay "
                         "in Python on uvloop before each engine (bench/bare_relay.py), the "
                         "floor of a Python relay's CPU per event; no target judged for it")
+    parser.add_argument("--serial-engine", action="store_true", help="the unpaced fake "
+                        "engine sends each stream's tokens back to back (whole streams one "
+                        "after another), not a token a turn as a batching engine does")
     parser.add_argument("--no-gateway-only", action="store_true",
                         help="leave out the gateway alone in its process (serve "
                         "--no-controllers beside run_controllers, on a private Redis)")
@@ -355,6 +364,9 @@ def main() -> None:
         parser.error("--redis goes with --compare-with")
     if options.local and not options.compare_with:
         parser.error("--local goes with --compare-with")
+    if options.serial_engine and (options.compare_with or options.profile):
+        parser.error("--serial-engine goes with the side-by-side table (not --compare-with "
+                     "or --profile)")
     if options.bare_relay and (options.compare_with or options.profile):
         parser.error("--bare-relay goes with the side-by-side table (not --compare-with "
                      "or --profile)")

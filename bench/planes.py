@@ -56,12 +56,15 @@ def settings_given(parser: argparse.ArgumentParser, option: str, items: list[str
     return settings
 
 
-def start_engine(interval_ms: float, model: str, keep_alive: float = ENGINE_KEEP_ALIVE
-                 ) -> tuple[subprocess.Popen[bytes], str]:
+def start_engine(interval_ms: float, model: str, keep_alive: float = ENGINE_KEEP_ALIVE,
+                 serial: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    """A fake engine with stamped first events; `serial`: unpaced, whole streams one
+    after another instead of a token a turn (fakes/engine.py --serial)."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "fakes.engine", "--port", str(port),
                                 "--model", model, "--token-interval-ms", str(interval_ms),
-                                "--keep-alive", str(keep_alive), "--stamp"],
+                                "--keep-alive", str(keep_alive), "--stamp",
+                                *(["--serial"] if serial else [])],
                                cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 30)

@@ -1,8 +1,12 @@
 """A FAKE OpenAI-compatible engine for tests and benchmarks, not an inference server.
 
-It streams N tokens at a configured pace, answers /health and /v1/models, and serves
-/metrics with vLLM's metric names and meaning (requests running and waiting, KV-cache use,
-TTFT and inter-token histograms). Every token is the word "tok".
+It streams N tokens at a configured pace (at 0, as fast as it can), answers /health and
+/v1/models, and serves /metrics with vLLM's metric names and meaning (requests running and
+waiting, KV-cache use, TTFT and inter-token histograms). Every token is the word "tok".
+Streams take turns, a token each, as vLLM's continuous batching gives every running
+request one token a step: an unpaced stream gives way to the others after each token
+(`--serial`: it does not, and since uvicorn's `send` waits only while the socket is full,
+whole streams then go out one after another).
 
 Given a key (--api-key, or VLLM_API_KEY in its environment, as vLLM takes it) it refuses
 /v1/* without `Authorization: Bearer <key>` exactly as vLLM does: 401 with
@@ -11,7 +15,7 @@ it loads `--middleware module.Class` ASGI middleware around itself (the local ba
 engine guard, serving/engine_guard.py, which closes every other path too).
 
     python -m fakes.engine --port 9001 [--token-interval-ms 10] [--model fake] [--api-key K]
-                           [--middleware module.Class] [--stamp]
+                           [--middleware module.Class] [--stamp] [--serial]
 """
 
 from __future__ import annotations
@@ -72,8 +76,10 @@ class Histogram:
 
 class FakeEngine:
     def __init__(self, model: str, token_interval: float, max_running: int = 256,
-                 api_key: str = "", stamp: bool = False) -> None:
+                 api_key: str = "", stamp: bool = False, serial: bool = False) -> None:
         self.model = model
+        # Unpaced, send a stream's tokens back to back, the loop's other work waiting.
+        self.serial = serial
         # Stamp each stream's first event with when its request arrived and when the event
         # was sent (its id: fake-ARRIVED-SENT, CLOCK_MONOTONIC nanoseconds, the clock every
         # process on the machine shares): the load client tells from them where a request's
@@ -233,6 +239,8 @@ class FakeEngine:
         for index in range(tokens):
             if self.token_interval:
                 await asyncio.sleep(self.token_interval)
+            elif not self.serial:
+                await asyncio.sleep(0)  # the other running streams' turn, as a step
             if gone.is_set():
                 self.disconnects += 1
                 return
@@ -303,9 +311,9 @@ class PerPort:
     counters and queues, as separate replicas would."""
 
     def __init__(self, model: str, token_interval: float, api_key: str = "",
-                 stamp: bool = False) -> None:
+                 stamp: bool = False, serial: bool = False) -> None:
         self.model, self.token_interval, self.api_key = model, token_interval, api_key
-        self.stamp = stamp
+        self.stamp, self.serial = stamp, serial
         self.engines: dict[int, FakeEngine] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -313,7 +321,8 @@ class PerPort:
         engine = self.engines.get(port)
         if engine is None:
             engine = self.engines[port] = FakeEngine(self.model, self.token_interval,
-                                                     api_key=self.api_key, stamp=self.stamp)
+                                                     api_key=self.api_key, stamp=self.stamp,
+                                                     serial=self.serial)
         await engine(scope, receive, send)
 
 
@@ -357,6 +366,9 @@ def main() -> None:
                         help="give each stream's first event the id fake-ARRIVED-SENT: when "
                              "its request arrived and when the event was sent, in "
                              "CLOCK_MONOTONIC nanoseconds (for the load client's legs)")
+    parser.add_argument("--serial", action="store_true",
+                        help="with --token-interval-ms 0: send each stream's tokens back to "
+                             "back, not a token a turn (whole streams one after another)")
     options = parser.parse_args()
     if options.keep_alive <= 0:
         parser.error("--keep-alive takes a number of seconds above 0")
@@ -365,7 +377,7 @@ def main() -> None:
     if not options.extra_ports:
         engine = FakeEngine(options.model, options.token_interval_ms / 1000,
                             options.max_running, api_key=options.api_key,
-                            stamp=options.stamp)
+                            stamp=options.stamp, serial=options.serial)
         uvicorn.run(with_middleware(engine, options.middleware), host=options.host,
                     port=options.port, log_level="warning", access_log=False, lifespan="on",
                     timeout_keep_alive=options.keep_alive)
@@ -384,7 +396,8 @@ def main() -> None:
             out.write("".join(f"{s.getsockname()[1]}\n" for s in sockets))
     server = uvicorn.Server(uvicorn.Config(with_middleware(PerPort(
                                                options.model, options.token_interval_ms / 1000,
-                                               options.api_key, options.stamp),
+                                               options.api_key, options.stamp,
+                                               options.serial),
                                                options.middleware),
                                            log_level="warning", access_log=False,
                                            lifespan="on",
