@@ -95,6 +95,7 @@ from bench.planes import (  # noqa: E402
     start_vllm,
 )
 from bench.stream_load import load  # noqa: E402
+from bench.usage_waits import integrity  # noqa: E402
 from tests.processes import (  # noqa: E402
     free_port,
     wait_healthy,
@@ -232,8 +233,22 @@ def side_by_side(options: argparse.Namespace, extra_env: dict[str, str]) -> None
             results.append((load_, endpoints, sides))
             print_rows(load_, endpoints, sides, rounds)
         print_table(results, rounds)
+        check_databases(endpoints)
         if options.vllm:
             print("gateway overhead, vLLM: " + "; ".join(measure_vllm(product, processes, 1)))
+
+
+def check_databases(endpoints: list[Endpoint]) -> None:
+    """SQLite's check of each control plane's database after the rounds, printed; the run
+    fails where one is damaged (processes sharing a database must never corrupt it)."""
+    checked = {endpoint.name: integrity(endpoint.database) for endpoint in endpoints
+               if endpoint.database is not None and endpoint.database.is_file()}
+    if checked:
+        print("databases after the rounds (PRAGMA quick_check): " + ", ".join(
+            f"{name} {verdict}" for name, verdict in checked.items()), flush=True)
+    damaged = [name for name, verdict in checked.items() if verdict != "ok"]
+    if damaged:
+        raise SystemExit(f"damaged database: {', '.join(damaged)}")
 
 
 def other_gateways(options: argparse.Namespace, extra_env: dict[str, str],

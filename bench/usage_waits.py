@@ -55,6 +55,20 @@ def after_records(databases: Iterable[Path | None], since: str, count: int) -> s
     return now_as_stored()
 
 
+def integrity(database: Path) -> str:
+    """SQLite's own check of the database (`PRAGMA quick_check`): "ok", or what it found
+    wrong, or why the file could not be read."""
+    try:
+        connection = sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=10)
+        try:
+            rows = connection.execute("PRAGMA quick_check").fetchall()
+        finally:
+            connection.close()
+    except sqlite3.Error as error:
+        return f"unreadable: {error}"
+    return "; ".join(str(row[0]) for row in rows)
+
+
 def held_in(database: Path | None, since: str, count: int) -> list[float]:
     """Seconds each request the gateway recorded after `since` (waiting for `count` of
     them) spent in it, from its arrival with its key known to its upstream write; none
