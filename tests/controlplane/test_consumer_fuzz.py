@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from tests.controlplane.test_consumers import WebsocketCommunicator, application, make_user
 from tests.engines import FakeEngine, publish, start_fake_engine
+from tests.private_loop import private_loop
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -99,17 +100,7 @@ def engine() -> Iterator[FakeEngine]:
 
 @pytest.fixture
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    running = asyncio.new_event_loop()
-    yield running
-    left = asyncio.all_tasks(running)
-    for task in left:
-        task.cancel()
-
-    async def finish() -> None:  # gather() of nothing would make a future on another loop
-        await asyncio.gather(*left, return_exceptions=True)
-
-    running.run_until_complete(finish())
-    running.close()
+    yield from private_loop()
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from serving.gateway import gateway
 from serving.services import create_api_key
 from tests.engines import FakeEngine, start_fake_engine
+from tests.private_loop import private_loop
 from tests.serving.conftest import publish
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -152,18 +153,7 @@ def engine() -> Iterator[FakeEngine]:
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
     """One event loop for every example of a test: the gateway keeps its connections,
     usage writer and queues per loop."""
-    running = asyncio.new_event_loop()
-    yield running
-    left = asyncio.all_tasks(running)  # the gateway's load watcher and usage writer
-    for task in left:
-        task.cancel()
-
-    async def finish() -> None:  # gather() of nothing would make a future on another loop
-        await asyncio.gather(*left, return_exceptions=True)
-
-    running.run_until_complete(finish())
-    running.run_until_complete(running.shutdown_asyncgens())
-    running.close()
+    yield from private_loop()
 
 
 @pytest.fixture
