@@ -372,6 +372,9 @@ def main() -> None:
     options = parser.parse_args()
     if options.keep_alive <= 0:
         parser.error("--keep-alive takes a number of seconds above 0")
+    if options.serial and options.token_interval_ms:
+        parser.error("--serial goes with --token-interval-ms 0 (a paced stream always "
+                     "waits between its tokens)")
     import uvicorn
 
     if not options.extra_ports:

@@ -48,7 +48,10 @@ def test_serial_engine_sends_whole_streams_one_after_another() -> None:
     assert order_of_tokens(serial=True) == ["a"] * 5 + ["b"] * 5 + ["c"] * 5
 
 
-def test_the_serial_mode_is_offered_on_the_command_line() -> None:
-    shown = subprocess.run([sys.executable, "-m", "fakes.engine", "--help"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60, check=True).stdout
-    assert "--serial" in shown and "one after another" in shown
+def test_serial_is_refused_for_a_paced_engine() -> None:
+    # Before the server starts: the exit, and the reason, come at once.
+    refused = subprocess.run([sys.executable, "-m", "fakes.engine", "--port", "1",
+                              "--token-interval-ms", "10", "--serial"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2
+    assert "--serial goes with --token-interval-ms 0" in refused.stderr

@@ -11,6 +11,7 @@ import pytest
 
 from serving.routes import build_table, routes
 from tests.engines import FakeEngine, fake_engines, publish, start_fake_engine  # noqa: F401
+from tests.private_loop import all_written
 from tests.processes import free_port
 from tests.vllm_server import vllm_server
 
@@ -65,12 +66,9 @@ def usage_written_before_the_database_is_emptied() -> Iterator[None]:
     resources = gateway._resources
     if resources is None or not resources.loop.is_running():
         return
-    writer = resources.usage
     with contextlib.suppress(Exception):
-        asyncio.run_coroutine_threadsafe(writer.flush(), resources.loop).result(10)
-    deadline = time.monotonic() + 10
-    while (writer.buffer or writer.writing) and time.monotonic() < deadline:
-        time.sleep(0.02)
+        asyncio.run_coroutine_threadsafe(all_written(resources.usage),
+                                         resources.loop).result(15)
 
 
 @pytest.fixture(autouse=True)
